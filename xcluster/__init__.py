@@ -1,0 +1,1 @@
+"""xcluster: lossless delta transport of model weights over object storage."""

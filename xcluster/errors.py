@@ -1,0 +1,94 @@
+"""Every failure xcluster raises is a subclass of :class:`XclusterError`.
+
+Each message names the object involved and, where there is one, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class XclusterError(Exception):
+    """Base of all xcluster errors."""
+
+
+# --- configuration ---------------------------------------------------------------------------
+class ConfigError(XclusterError, ValueError):
+    """A configuration value is invalid."""
+
+
+# --- storage ---------------------------------------------------------------------------------
+class StoreError(XclusterError):
+    """The object store failed."""
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """The object does not exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class PreconditionFailedError(StoreError):
+    """A conditional write (if-none-match / if-match) lost: someone else wrote first."""
+
+
+class UnsafeKeyError(StoreError, ValueError):
+    """An object key would escape its prefix or uses characters outside the allowed set."""
+
+
+class TransientStoreError(StoreError):
+    """A failure worth retrying (throttling, 5xx, reset, timeout, short read)."""
+
+
+class UnsupportedURLError(StoreError, ValueError):
+    """No backend handles this URL."""
+
+
+# --- format ----------------------------------------------------------------------------------
+class FormatError(XclusterError, ValueError):
+    """A manifest or HEAD object is malformed: not JSON, wrong schema, impossible sizes."""
+
+
+class SchemaVersionError(FormatError):
+    """The object declares a schema version this reader does not know."""
+
+
+class UnsafeNameError(FormatError):
+    """A tensor name or chunk key from a manifest is not allowed (path traversal, control chars)."""
+
+
+# --- integrity -------------------------------------------------------------------------------
+class IntegrityError(XclusterError):
+    """Data does not match what its manifest promises."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """A chunk's bytes do not hash to the checksum recorded in the manifest."""
+
+
+class TruncatedObjectError(IntegrityError):
+    """A chunk is shorter or longer than the manifest says."""
+
+
+class DigestMismatchError(IntegrityError):
+    """Weights after applying a version do not hash to the manifest's digest."""
+
+
+class DecodeError(IntegrityError):
+    """An encoded stream is malformed (bad zstd frame, wrong decoded size, out-of-range index)."""
+
+
+class DecompressionBombError(DecodeError):
+    """A stream declares or produces more bytes than its tensor can hold."""
+
+
+# --- protocol --------------------------------------------------------------------------------
+class BaseMismatchError(XclusterError):
+    """A delta's base version is not the subscriber's current version."""
+
+
+class ChainBrokenError(XclusterError):
+    """The chain from the newest keyframe to the requested version is incomplete."""
+
+
+class ConcurrentPublisherError(XclusterError):
+    """Another publisher committed to this prefix; this one refuses to overwrite it."""
