@@ -1,0 +1,161 @@
+"""Local-directory backend: the embedded default store.
+
+Atomicity: every write goes to a temporary file in the same directory, is fsynced, then renamed
+into place (``os.replace``), so a reader sees the old object or the whole new one. Create-once
+writes use ``os.link`` (fails if the name exists); compare-and-swap holds an ``flock`` on a lock
+file beside the object for the read-compare-rename. ETags are the xxh3-64 of the content.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import xxhash
+
+from ..errors import ObjectNotFoundError, PreconditionFailedError, StoreError
+from .base import Blob, Stat, check_key
+
+_TMP_PREFIX = ".xc-tmp-"
+
+
+def _etag(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class LocalStore:
+    """A store rooted at a local directory (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+        self._fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    # --- reads --------------------------------------------------------------------------------
+    def get(self, key: str, *, if_none_match: str | None = None) -> Blob | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        except IsADirectoryError:
+            raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object") from None
+        etag = _etag(data)
+        if if_none_match is not None and etag == if_none_match:
+            return None
+        return Blob(data, etag)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError(f"bad range start={start} length={length}")
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+
+    def stat(self, key: str) -> Stat:
+        blob = self.get(key)
+        assert blob is not None
+        return Stat(len(blob.data), blob.etag)
+
+    def list(self, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith(".") or name.endswith(".lock"):
+                    continue
+                key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    # --- writes -------------------------------------------------------------------------------
+    def _write_temp(self, path: Path, data: bytes | memoryview) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
+
+    @contextmanager
+    def _locked(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_match: str | None = None,
+            if_none_match: bool = False) -> str:
+        if if_match is not None and if_none_match:
+            raise ValueError("if_match and if_none_match are exclusive")
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            if if_none_match:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailedError(
+                        f"{self.url}/{key} already exists: another writer created it first") from None
+            elif if_match is not None:
+                with self._locked(path):
+                    try:
+                        current = _etag(path.read_bytes())
+                    except FileNotFoundError:
+                        current = None
+                    if current != if_match:
+                        raise PreconditionFailedError(
+                            f"{self.url}/{key} changed (etag {current}, expected {if_match}): "
+                            "another writer updated it")
+                    os.replace(tmp, path)
+                    tmp = None
+            else:
+                os.replace(tmp, path)
+                tmp = None
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise StoreError(f"no space left writing {self.url}/{key}") from exc
+            raise
+        finally:
+            if tmp is not None:
+                os.unlink(tmp)
+        if self._fsync:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return _etag(data)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            path.with_name(path.name + ".lock").unlink()
+        except FileNotFoundError:
+            pass
