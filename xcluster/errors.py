@@ -92,3 +92,24 @@ class ChainBrokenError(XclusterError):
 
 class ConcurrentPublisherError(XclusterError):
     """Another publisher committed to this prefix; this one refuses to overwrite it."""
+
+
+# --- s3 --------------------------------------------------------------------------------------
+class ShortReadError(TransientStoreError):
+    """A response body ended before its Content-Length or the requested range (worth a retry)."""
+
+
+class CorruptReadError(TransientStoreError):
+    """Bytes read do not hash to what the store recorded at write time (re-fetch them)."""
+
+
+class RetriesExhaustedError(StoreError):
+    """A transient failure persisted past the retry budget; ``__cause__`` is the last error."""
+
+
+class ObjectTooLargeError(StoreError):
+    """An object is larger than the configured maximum this process will allocate for it."""
+
+
+class ConditionalWritesUnsupportedError(StoreError):
+    """The server ignores If-None-Match / If-Match on PutObject, so commits are not race-free."""
