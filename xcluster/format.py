@@ -1,0 +1,423 @@
+"""Manifest and HEAD objects: schema, canonical encoding, parsing with full validation.
+
+``docs/FORMAT.md`` is the specification; this module is its reference implementation.
+Parsing checks every size and index *before* anything is allocated or fetched, so a hostile
+manifest fails here with a named error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from .dtypes import DTYPE_NAMES, itemsize
+from .errors import DecompressionBombError, FormatError, SchemaVersionError, UnsafeNameError
+
+SCHEMA_VERSION = 1
+MANIFEST_FORMAT = "xcluster-manifest"
+HEAD_FORMAT = "xcluster-head"
+
+KEYFRAME = "keyframe"
+DELTA = "delta"
+KINDS = (KEYFRAME, DELTA)
+
+# encodings of a block
+PLANES = "planes"          # full values: byte planes of the raw bits
+SPARSE_SUB = "sparse-sub"  # changed positions (gap planes) + zigzag(new-old) byte planes
+DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in range
+ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB)
+GAP_WIDTH = 4              # gaps are uint32, 4 byte planes
+
+INIT_BASE = "base"  # tensor starts from the base version's tensor of the same name
+INIT_NONE = "none"  # every element is given by planes segments
+
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_HEAD_BYTES = 64 << 10
+MAX_DIMS = 32
+MAX_TENSOR_ELEMENTS = 1 << 44
+MAX_SEGMENT_ELEMENTS = 1 << 31
+MAX_CHUNK_BYTES = 1 << 36
+MAX_VERSION = (1 << 53) - 1
+
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,511}")
+_CHUNK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,99}")
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+
+
+def check_tensor_name(name: Any) -> str:
+    if not isinstance(name, str) or not _TENSOR_NAME.fullmatch(name) or ".." in name:
+        raise UnsafeNameError(
+            f"tensor name {name!r} is not allowed: names are 1-512 characters of [A-Za-z0-9_.:-[]], "
+            "do not start with '.', '-' or ':' and never contain '..' or '/'")
+    return name
+
+
+def check_chunk_name(name: Any) -> str:
+    if not isinstance(name, str) or not _CHUNK_NAME.fullmatch(name) or ".." in name:
+        raise UnsafeNameError(f"chunk name {name!r} is not allowed: [a-z0-9][a-z0-9_.-]*, no '..', no '/'")
+    return name
+
+
+def version_dir(version: int) -> str:
+    return f"versions/{version:012d}"
+
+
+def manifest_key(version: int) -> str:
+    return f"{version_dir(version)}/manifest.json"
+
+
+def chunk_key(version: int, name: str) -> str:
+    return f"{version_dir(version)}/{check_chunk_name(name)}"
+
+
+HEAD_KEY = "HEAD"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one byte encoding of a JSON object that xcluster writes (and a signature covers)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def xxh3_128(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+# --- schema ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+    init: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEntry:
+    name: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    codec: str
+    stored: int
+    raw: int
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    tensor: int
+    start: int
+    count: int
+    nnz: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEntry:
+    chunk: int
+    offset: int
+    encoding: str
+    width: int
+    streams: tuple[StreamEntry, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def stored(self) -> int:
+        return sum(s.stored for s in self.streams)
+
+
+def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...] | list[Segment]) -> list[int]:
+    """The decoded length of each stream of a block, derived from its segments."""
+    elems = sum(s.count for s in segments)
+    nnz = sum(s.nnz for s in segments)
+    if encoding == PLANES or encoding == DENSE_SUB:
+        return [elems] * width
+    return [nnz] * GAP_WIDTH + [nnz] * width
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    version: int
+    kind: str
+    base_version: int | None
+    base_model_digest: str | None
+    base_manifest_xxh3_128: str | None
+    keyframe_version: int
+    step: int | None
+    created_unix_ms: int
+    model_digest: str
+    tensors: tuple[TensorEntry, ...]
+    chunks: tuple[ChunkEntry, ...]
+    blocks: tuple[BlockEntry, ...]
+    changed_elements: int = 0
+
+    @property
+    def total_elements(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "version": self.version,
+            "kind": self.kind,
+            "base_version": self.base_version,
+            "base_model_digest": self.base_model_digest,
+            "base_manifest_xxh3_128": self.base_manifest_xxh3_128,
+            "keyframe_version": self.keyframe_version,
+            "step": self.step,
+            "created_unix_ms": self.created_unix_ms,
+            "model_digest": self.model_digest,
+            "changed_elements": self.changed_elements,
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "digest": t.digest,
+                         "init": t.init} for t in self.tensors],
+            "chunks": [{"name": c.name, "size": c.size, "xxh3_128": c.xxh3_128} for c in self.chunks],
+            "blocks": [{"chunk": b.chunk, "offset": b.offset, "encoding": b.encoding, "width": b.width,
+                        "streams": [[s.codec, s.stored, s.raw] for s in b.streams],
+                        "segments": [[s.tensor, s.start, s.count, s.nnz] for s in b.segments]}
+                       for b in self.blocks],
+        }
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.to_obj())
+
+
+# --- parsing ---------------------------------------------------------------------------------
+def _int(obj: dict, key: str, where: str, *, lo: int = 0, hi: int = MAX_VERSION, null: bool = False) -> Any:
+    v = obj.get(key)
+    if v is None and null:
+        return None
+    if type(v) is not int or not lo <= v <= hi:
+        raise FormatError(f"{where}: field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(obj: dict, key: str, where: str, *, pattern: re.Pattern | None = None, choices=None,
+         null: bool = False) -> Any:
+    v = obj.get(key)
+    if v is None and null:
+        return None
+    if not isinstance(v, str) or (pattern and not pattern.fullmatch(v)) or (choices and v not in choices):
+        raise FormatError(f"{where}: field {key!r} is invalid: {v!r}")
+    return v
+
+
+def _list(obj: dict, key: str, where: str) -> list:
+    v = obj.get(key)
+    if not isinstance(v, list):
+        raise FormatError(f"{where}: field {key!r} must be a list")
+    return v
+
+
+def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
+    if len(data) > limit:
+        raise FormatError(f"{where}: {len(data)} bytes is over the {limit}-byte limit")
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{where}: not valid JSON ({exc}); the object is corrupt or not xcluster's") from exc
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where}: top level must be a JSON object")
+    if obj.get("format") != fmt:
+        raise FormatError(f"{where}: 'format' must be {fmt!r}, got {obj.get('format')!r}")
+    sv = obj.get("schema_version")
+    if sv != SCHEMA_VERSION:
+        raise SchemaVersionError(f"{where}: schema_version {sv!r} is not supported by this reader "
+                                 f"(it reads {SCHEMA_VERSION}); upgrade xcluster")
+    return obj
+
+
+def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
+    obj = _load_json(data, where, MAX_MANIFEST_BYTES, MANIFEST_FORMAT)
+    version = _int(obj, "version", where, lo=1)
+    kind = _str(obj, "kind", where, choices=KINDS)
+    base_version = _int(obj, "base_version", where, lo=1, null=True)
+    base_digest = _str(obj, "base_model_digest", where, pattern=_HEX128, null=True)
+    base_mh = _str(obj, "base_manifest_xxh3_128", where, pattern=_HEX128, null=True)
+    keyframe_version = _int(obj, "keyframe_version", where, lo=1)
+    if kind == KEYFRAME:
+        if base_version is not None or keyframe_version != version:
+            raise FormatError(f"{where}: a keyframe has no base and is its own keyframe_version")
+    else:
+        if base_version is None or base_digest is None or base_mh is None or not base_version < version:
+            raise FormatError(f"{where}: a delta needs base_version < version, base_model_digest and "
+                              "base_manifest_xxh3_128")
+        if not keyframe_version <= base_version:
+            raise FormatError(f"{where}: keyframe_version must be <= base_version")
+
+    tensors: list[TensorEntry] = []
+    seen: set[str] = set()
+    for i, t in enumerate(_list(obj, "tensors", where)):
+        tw = f"{where}: tensors[{i}]"
+        if not isinstance(t, dict):
+            raise FormatError(f"{tw} must be an object")
+        name = check_tensor_name(t.get("name"))
+        if name in seen:
+            raise FormatError(f"{tw}: duplicate tensor name {name!r}")
+        seen.add(name)
+        dtype = _str(t, "dtype", tw, choices=DTYPE_NAMES)
+        shape = t.get("shape")
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or any(type(s) is not int or s < 0 or s > MAX_TENSOR_ELEMENTS for s in shape)):
+            raise FormatError(f"{tw} ({name}): shape {shape!r} is not a list of at most {MAX_DIMS} "
+                              "non-negative integers")
+        if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+            raise FormatError(f"{tw} ({name}): {math.prod(shape)} elements is over the limit")
+        init = _str(t, "init", tw, choices=(INIT_BASE, INIT_NONE))
+        if kind == KEYFRAME and init != INIT_NONE:
+            raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")
+        tensors.append(TensorEntry(name, dtype, tuple(shape), _str(t, "digest", tw, pattern=_HEX128), init))
+
+    chunks: list[ChunkEntry] = []
+    names: set[str] = set()
+    for i, c in enumerate(_list(obj, "chunks", where)):
+        cw = f"{where}: chunks[{i}]"
+        if not isinstance(c, dict):
+            raise FormatError(f"{cw} must be an object")
+        cname = check_chunk_name(c.get("name"))
+        if cname in names or cname == "manifest.json":
+            raise FormatError(f"{cw}: duplicate or reserved chunk name {cname!r}")
+        names.add(cname)
+        chunks.append(ChunkEntry(cname, _int(c, "size", cw, hi=MAX_CHUNK_BYTES),
+                                 _str(c, "xxh3_128", cw, pattern=_HEX128)))
+
+    blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
+    _check_coverage(where, tensors, blocks)
+    changed = _int(obj, "changed_elements", where, hi=MAX_TENSOR_ELEMENTS * 64)
+    return Manifest(version=version, kind=kind, base_version=base_version, base_model_digest=base_digest,
+                    base_manifest_xxh3_128=base_mh, keyframe_version=keyframe_version,
+                    step=_int(obj, "step", where, null=True),
+                    created_unix_ms=_int(obj, "created_unix_ms", where),
+                    model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
+                    tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
+                    changed_elements=changed)
+
+
+def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
+    bw = f"{where}: blocks[{i}]"
+    if not isinstance(b, dict):
+        raise FormatError(f"{bw} must be an object")
+    chunk = _int(b, "chunk", bw, hi=max(len(chunks) - 1, 0))
+    if not chunks:
+        raise FormatError(f"{bw}: names chunk {chunk} but the manifest has no chunks")
+    offset = _int(b, "offset", bw, hi=MAX_CHUNK_BYTES)
+    encoding = _str(b, "encoding", bw, choices=ENCODINGS)
+    width = _int(b, "width", bw, lo=1, hi=8)
+    if width not in (1, 2, 4, 8):
+        raise FormatError(f"{bw}: width must be 1, 2, 4 or 8")
+    streams = []
+    for s in _list(b, "streams", bw):
+        if (not isinstance(s, list) or len(s) != 3 or s[0] not in ("zstd", "raw")
+                or any(type(x) is not int or x < 0 or x > MAX_CHUNK_BYTES for x in s[1:])):
+            raise FormatError(f"{bw}: stream {s!r} must be [codec, stored, raw]")
+        streams.append(StreamEntry(s[0], s[1], s[2]))
+    segments = []
+    for s in _list(b, "segments", bw):
+        if (not isinstance(s, list) or len(s) != 4
+                or any(type(x) is not int or x < 0 for x in s)):
+            raise FormatError(f"{bw}: segment {s!r} must be [tensor, start, count, nnz]")
+        t, start, count, nnz = s
+        if t >= len(tensors):
+            raise FormatError(f"{bw}: segment names tensor {t}, the manifest has {len(tensors)}")
+        te = tensors[t]
+        if count == 0 or count > MAX_SEGMENT_ELEMENTS or start + count > te.numel:
+            raise FormatError(f"{bw}: segment [{start}, {start + count}) is empty, too long or outside "
+                              f"{te.name} ({te.numel} elements)")
+        if itemsize(te.dtype) != width:
+            raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
+        if encoding == SPARSE_SUB:
+            if not 0 < nnz <= count:
+                raise FormatError(f"{bw}: segment of {te.name} has nnz {nnz} outside (0, {count}]")
+        elif nnz != count:
+            raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
+        if (encoding == PLANES) != (te.init == INIT_NONE):
+            raise FormatError(f"{bw}: {encoding} segment on tensor {te.name} with init {te.init!r}")
+        segments.append(Segment(t, start, count, nnz))
+    if not segments:
+        raise FormatError(f"{bw}: a block has at least one segment")
+    expected = expected_raw_lengths(encoding, width, segments)
+    if len(streams) != len(expected):
+        raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
+    for k, (s, e) in enumerate(zip(streams, expected)):
+        if s.raw > e:
+            raise DecompressionBombError(
+                f"{bw}: stream {k} declares {s.raw} decoded bytes but its segments hold only {e}")
+        if s.raw != e:
+            raise FormatError(f"{bw}: stream {k} declares {s.raw} decoded bytes, its segments need {e}")
+        if s.codec == "raw" and s.stored != s.raw:
+            raise FormatError(f"{bw}: raw stream {k} stores {s.stored} bytes for {s.raw}")
+    end = offset + sum(s.stored for s in streams)
+    if end > chunks[chunk].size:
+        raise FormatError(f"{bw}: bytes [{offset}, {end}) run past chunk {chunks[chunk].name} "
+                          f"({chunks[chunk].size} bytes)")
+    return BlockEntry(chunk, offset, encoding, width, tuple(streams), tuple(segments))
+
+
+def _check_coverage(where: str, tensors: list[TensorEntry], blocks: list[BlockEntry]) -> None:
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b in blocks:
+        for s in b.segments:
+            spans.setdefault(s.tensor, []).append((s.start, s.start + s.count))
+    for i, t in enumerate(tensors):
+        ranges = sorted(spans.get(i, []))
+        pos = 0
+        for a, e in ranges:
+            if a < pos:
+                raise FormatError(f"{where}: segments of {t.name} overlap at element {a}")
+            if t.init == INIT_NONE and a != pos:
+                raise FormatError(f"{where}: {t.name} has a hole at elements [{pos}, {a})")
+            pos = e
+        if t.init == INIT_NONE and pos != t.numel:
+            raise FormatError(f"{where}: {t.name} is covered up to element {pos} of {t.numel}")
+
+
+# --- HEAD ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Head:
+    version: int
+    kind: str
+    keyframe_version: int
+    manifest_xxh3_128: str
+    committed_unix_ms: int
+
+    def to_bytes(self) -> bytes:
+        return canonical_json({"format": HEAD_FORMAT, "schema_version": SCHEMA_VERSION,
+                               "version": self.version, "kind": self.kind,
+                               "keyframe_version": self.keyframe_version,
+                               "manifest_xxh3_128": self.manifest_xxh3_128,
+                               "committed_unix_ms": self.committed_unix_ms})
+
+
+def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
+    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT)
+    head = Head(version=_int(obj, "version", where, lo=1), kind=_str(obj, "kind", where, choices=KINDS),
+                keyframe_version=_int(obj, "keyframe_version", where, lo=1),
+                manifest_xxh3_128=_str(obj, "manifest_xxh3_128", where, pattern=_HEX128),
+                committed_unix_ms=_int(obj, "committed_unix_ms", where))
+    if head.keyframe_version > head.version:
+        raise FormatError(f"{where}: keyframe_version {head.keyframe_version} > version {head.version}")
+    return head
