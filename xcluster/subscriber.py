@@ -9,7 +9,6 @@ stay those of the last version that verified.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -113,15 +112,43 @@ class Subscriber:
             self._head_etag = blob.etag
         return self._head
 
-    def sync(self) -> int | None:
-        """Apply every committed version up to HEAD; returns the version now held (None: empty store)."""
+    def sync(self, *, until: int | None = None) -> int | None:
+        """Apply every committed version up to HEAD (or up to ``until``); returns the version now
+        held (None while the store is empty)."""
         with self._lock:
             head = self.poll()
-            if head is None or head.version == self.version:
+            if head is None:
                 return self.version
-            for manifest, mhash in self._plan(head):
+            target, expect = head.version, head.manifest_xxh3_128
+            if until is not None and until < head.version:
+                target, expect = until, self._hash_of(until, head)
+            if self.version is not None and target < self.version:
+                raise ConfigError(f"this subscriber holds version {self.version}; it cannot go back to {target}")
+            if target == self.version:
+                return self.version
+            for manifest, mhash in self._plan(target, expect):
                 self._apply(manifest, mhash)
             return self.version
+
+    def _hash_of(self, version: int, head: Head) -> str:
+        """The manifest hash of an older committed ``version``, from the links back from HEAD.
+        A version behind the newest keyframe is not linked: its manifest is taken as stored."""
+        v, expect = head.version, head.manifest_xxh3_128
+        while v > version:
+            m, _ = self._read_manifest(v, expect)
+            if m.kind == KEYFRAME:
+                key = manifest_key(version)
+                try:
+                    blob = self.store.get(key)
+                except ObjectNotFoundError:
+                    raise ChainBrokenError(f"{self.store.url}/{key} does not exist") from None
+                assert blob is not None
+                return xxh3_128(blob.data)
+            assert m.base_version is not None and m.base_manifest_xxh3_128 is not None
+            v, expect = m.base_version, m.base_manifest_xxh3_128
+        if v != version:
+            raise ChainBrokenError(f"version {version} is not on the chain back from HEAD {head.version}")
+        return expect
 
     def _read_manifest(self, version: int, expect_hash: str) -> tuple[Manifest, str]:
         key = manifest_key(version)
@@ -140,10 +167,10 @@ class Subscriber:
             raise FormatError(f"{self.store.url}/{key} says it is version {m.version}")
         return m, got
 
-    def _plan(self, head: Head) -> list[tuple[Manifest, str]]:
-        """Manifests to apply, oldest first: back from HEAD to our version or the newest keyframe."""
+    def _plan(self, version: int, expect: str) -> list[tuple[Manifest, str]]:
+        """Manifests to apply, oldest first: back from ``version`` to ours or to a keyframe."""
         chain: list[tuple[Manifest, str]] = []
-        v, expect = head.version, head.manifest_xxh3_128
+        v = version
         while True:
             if len(chain) >= self.config.max_chain:
                 raise ChainBrokenError(f"more than {self.config.max_chain} versions between HEAD and a keyframe")
@@ -259,7 +286,3 @@ class Subscriber:
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
         if self.on_apply is not None:
             self.on_apply(ev)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
