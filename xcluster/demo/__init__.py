@@ -101,7 +101,10 @@ class DemoReport:
 
 
 def _looks_like_xcluster(keys: list[str]) -> bool:
-    return "HEAD" in keys
+    """HEAD present, or only version objects (a first publish that died before HEAD)."""
+    from ..format import HEAD_KEY
+
+    return HEAD_KEY in keys or all(k.startswith("versions/") for k in keys)
 
 
 def _wipe(config: DemoConfig) -> None:
@@ -115,7 +118,7 @@ def _wipe(config: DemoConfig) -> None:
     if config.store is not None and not _looks_like_xcluster(keys):
         raise ConfigError(
             f"{config.store_url}: refusing to wipe: it holds {len(keys)} objects but no xcluster "
-            "HEAD; point --store at an empty location or an xcluster store, or pass --keep")
+            "HEAD or versions/; point --store at an empty location or an xcluster store, or pass --keep")
     url = config.store_url
     local = "://" not in url or url.startswith("file://")
     if local:
@@ -140,7 +143,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = 
         _wipe(config)
     url = config.store_url
     publisher = Publisher(url, config=PublisherConfig(keyframe_every=config.keyframe_every))
-    first_version = _next_version(publisher)
+    first_version = publisher.version + 1  # 0 on an empty store
     last_version = first_version + config.steps - 1
 
     follower = Follower(url, until_version=last_version, results=config.out / "follower.jsonl",
@@ -206,15 +209,13 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = 
     for f in failures:
         echo(f"FAILED: {f}")
     seconds = time.perf_counter() - started
-    echo(f"{'ok' if not failures else 'FAILED'} in {seconds:.1f}s")
+    echo(f"{'ok' if not failures else 'FAILED'} in {seconds:.1f}s (training "
+         f"{sum(p.stats.seconds for p in published):.1f}s, publishing "
+         f"{sum(p.result.publish_seconds for p in published):.1f}s)")
     return DemoReport(rows=rows, summary=summary, table=table, summary_line=summary_line,
                       plot_path=plot_path, steps_json=steps_json, trainer_pid=os.getpid(),
                       follower_pid=results.pid, follower_returncode=code, follower_output=output,
                       follower_error=results.error, seconds=seconds, failures=failures)
-
-
-def _next_version(publisher: Any) -> int:
-    return 1
 
 
 # --- CLI ------------------------------------------------------------------------------------

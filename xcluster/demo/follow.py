@@ -75,7 +75,7 @@ def follow(store: str, *, until_version: int, results: TextIO, poll: float, time
     sub_box: list[Any] = []
 
     def on_apply(ev: Any) -> None:
-        state = sub_box[0].state_dict()
+        state = sub_box[0].state_dict(copy=False)  # hashed right here, before the next sync
         if ev.version == tamper_version:
             state = _flip_one_bit(state)
         rec.write({"event": "applied", "version": ev.version, "kind": ev.kind,

@@ -10,6 +10,7 @@ what makes lossless deltas small.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ class StepStats:
     step: int
     loss: float
     mean_reward: float
+    seconds: float
+    """Wall time of sampling, loss, backward and the optimizer step."""
 
 
 def bf16_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -93,6 +96,7 @@ class PolicyGradientTrainer:
         return tokens
 
     def step(self) -> StepStats:
+        t0 = time.perf_counter()
         c = self.config
         self.model.train()
         tokens = self.sample()
@@ -108,7 +112,8 @@ class PolicyGradientTrainer:
         loss.backward()
         self.optimizer.step()
         self.steps_done += 1
-        return StepStats(step=self.steps_done, loss=float(loss.detach()), mean_reward=float(r.mean()))
+        return StepStats(step=self.steps_done, loss=float(loss.detach()), mean_reward=float(r.mean()),
+                         seconds=time.perf_counter() - t0)
 
 
 @dataclass(frozen=True, slots=True)
