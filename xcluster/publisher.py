@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -98,7 +99,8 @@ class Publisher:
     """Publishes versions of a model's weights to ``url`` (a path or fsspec/s3 URL)."""
 
     def __init__(self, url: str | None = None, *, store: Store | None = None,
-                 config: PublisherConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+                 config: PublisherConfig | None = None, clock: Callable[[], float] = time.time,
+                 attempt_id: Callable[[], str] = lambda: secrets.token_hex(4)) -> None:
         if store is None:
             if url is None:
                 raise ConfigError("Publisher needs a url or a store")
@@ -106,9 +108,9 @@ class Publisher:
         self.store = store
         self.config = config or PublisherConfig()
         self._clock = clock
+        self._attempt_id = attempt_id
         self._lock = threading.Lock()
         self._base: dict[str, torch.Tensor] | None = None
-        self._base_digests: dict[str, str] = {}
         self._base_model_digest: str | None = None
         self._base_manifest_hash: str | None = None
         self._keyframe_version = 0
@@ -209,7 +211,7 @@ class Publisher:
             assert self._base is not None
             apply_update(self._base, new, encoded.update)
             self._since_keyframe += 1
-        self._base_digests, self._base_model_digest, self._base_manifest_hash = digests, mdigest, mhash
+        self._base_model_digest, self._base_manifest_hash = mdigest, mhash
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,
@@ -218,6 +220,9 @@ class Publisher:
 
     def _encode_and_upload(self, version, new, digests, base, written: list[str]):
         cfg = self.config
+        # Chunk names are unique to this attempt, so a publisher that loses the race for a
+        # version number (or retries one) never overwrites or deletes another attempt's chunks.
+        prefix = f"c{self._attempt_id()}"
         slots = threading.BoundedSemaphore(cfg.max_inflight_chunks)
         futures: list[Future] = []
         total = 0
@@ -240,7 +245,7 @@ class Publisher:
                     if f.done() and f.exception() is not None:
                         raise f.exception()
 
-            encoded = encode_version(new, digests, base, cfg.codec, emit)
+            encoded = encode_version(new, digests, base, cfg.codec, emit, chunk_prefix=prefix)
             for f in futures:
                 f.result()
         return encoded, total

@@ -36,8 +36,6 @@ class CodecConfig:
     """A range whose fraction of changed elements reaches this is carried densely, not as positions."""
     workers: int = 2
     """Threads compressing blocks (zstd releases the GIL)."""
-    chunk_name_prefix: str = "chunk"
-    """Chunk objects are named ``<prefix>-NNNNNN.xc`` (room for per-rank prefixes of sharded writers)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -91,8 +89,9 @@ class _Packer:
     """Groups segments into blocks per (encoding, width), compresses blocks on a pool and packs
     them, in order, into chunks."""
 
-    def __init__(self, config: CodecConfig, emit: Callable[[ChunkEntry, bytes], None]) -> None:
+    def __init__(self, config: CodecConfig, emit: Callable[[ChunkEntry, bytes], None], chunk_prefix: str) -> None:
         self.cfg = config
+        self.chunk_prefix = chunk_prefix
         self.emit = emit
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xc-encode")
         self.open: dict[tuple[str, int], list[_Seg]] = {}
@@ -142,7 +141,7 @@ class _Packer:
 
     def _seal(self) -> None:
         data = b"".join(self.cur)
-        entry = ChunkEntry(f"{self.cfg.chunk_name_prefix}-{len(self.chunks):06d}.xc", len(data), xxh3_128(data))
+        entry = ChunkEntry(f"{self.chunk_prefix}-{len(self.chunks):06d}.xc", len(data), xxh3_128(data))
         self.chunks.append(entry)
         self.cur, self.cur_size = [], 0
         self.emit(entry, data)
@@ -164,12 +163,13 @@ class _Packer:
 
 def encode_version(new: Mapping[str, torch.Tensor], digests: Mapping[str, str],
                    base: Mapping[str, torch.Tensor] | None, config: CodecConfig,
-                   emit: Callable[[ChunkEntry, bytes], None]) -> EncodedVersion:
+                   emit: Callable[[ChunkEntry, bytes], None], *, chunk_prefix: str = "chunk") -> EncodedVersion:
     """Encode ``new`` as a keyframe (``base is None``) or as a delta against ``base``.
 
-    ``new`` and ``base`` hold contiguous CPU tensors. Sealed chunks go to ``emit`` in order.
+    ``new`` and ``base`` hold contiguous CPU tensors. Sealed chunks, named
+    ``<chunk_prefix>-NNNNNN.xc``, go to ``emit`` in order.
     """
-    packer = _Packer(config, emit)
+    packer = _Packer(config, emit, chunk_prefix)
     entries: list[TensorEntry] = []
     update = BaseUpdate()
     changed = 0

@@ -1,0 +1,27 @@
+"""Small helpers shared by unit tests."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from xcluster.store import open_store
+
+
+def memory_store():
+    return open_store(f"memory://xc-test-{uuid.uuid4().hex}")
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality, dtype and shape included (NaN payloads and -0.0 too)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == \
+        bytes(b.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert bits_equal(got[k], want[k]), k

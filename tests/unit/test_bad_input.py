@@ -1,0 +1,260 @@
+"""Bad input: every corruption gets its own named error, nothing is applied, nothing is lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from xcluster import Publisher, PublisherConfig, Subscriber
+from xcluster.errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, DecodeError,
+                             DecompressionBombError, FormatError, SchemaVersionError, TruncatedObjectError,
+                             UnsafeNameError, XclusterError)
+from xcluster.format import HEAD_KEY, Head, chunk_key, manifest_key, parse_head, parse_manifest, xxh3_128
+from xcluster.store import LocalStore
+from tests.unit.helpers import assert_state_equal
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100)
+    base = torch.randn(256, 256, generator=g).to(torch.bfloat16)
+    bits = base.view(torch.int16).reshape(-1)
+    idx = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(step))[:2000]
+    bits[idx] += step
+    return {"w": base, "b": torch.full((16,), float(step))}
+
+
+@pytest.fixture
+def env(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    sub = Subscriber(store=store)
+    pub.publish(weights(0), step=0)
+    assert sub.sync() == 1
+    pub.publish(weights(1), step=1)  # version 2, a delta: the one the tests break
+    return store, pub, sub
+
+
+def rewrite_manifest(store, version: int, mutate) -> None:
+    """What an attacker with write access would do: change a manifest and keep HEAD consistent."""
+    obj = json.loads(store.get(manifest_key(version)).data)
+    mutate(obj)
+    data = json.dumps(obj).encode()
+    store.put(manifest_key(version), data)
+    head = parse_head(store.get(HEAD_KEY).data)
+    store.put(HEAD_KEY, Head(head.version, head.kind, head.keyframe_version, xxh3_128(data),
+                             head.committed_unix_ms).to_bytes())
+
+
+def assert_untouched(sub, before_digest):
+    assert sub.version == 1
+    assert sub.model_digest == before_digest
+    assert_state_equal(sub.state_dict(), weights(0))
+
+
+def first_chunk(store, version: int) -> str:
+    m = parse_manifest(store.get(manifest_key(version)).data)
+    return chunk_key(version, m.chunks[0].name)
+
+
+def test_corrupted_chunk_byte(env):
+    store, _, sub = env
+    before = sub.model_digest
+    key = first_chunk(store, 2)
+    data = bytearray(store.get(key).data)
+    data[len(data) // 2] ^= 0x10
+    store.put(key, bytes(data))
+    with pytest.raises(ChecksumMismatchError) as ei:
+        sub.sync()
+    assert key in str(ei.value)
+    assert_untouched(sub, before)
+
+
+def test_truncated_chunk(env):
+    store, _, sub = env
+    before = sub.model_digest
+    key = first_chunk(store, 2)
+    store.put(key, store.get(key).data[:-5])
+    with pytest.raises(TruncatedObjectError, match=key):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_missing_chunk(env):
+    store, _, sub = env
+    before = sub.model_digest
+    store.delete(first_chunk(store, 2))
+    with pytest.raises(ChainBrokenError, match="missing"):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_repaired_chunk_then_applies(env):
+    store, _, sub = env
+    key = first_chunk(store, 2)
+    good = store.get(key).data
+    store.put(key, good[:-1])
+    with pytest.raises(TruncatedObjectError):
+        sub.sync()
+    store.put(key, good)
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), weights(1))
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"{not json", FormatError),
+    (b"\xff\xfe\x00", FormatError),
+    (b"[1, 2]", FormatError),
+    (json.dumps({"format": "xcluster-manifest", "schema_version": 99}).encode(), SchemaVersionError),
+    (json.dumps({"format": "something-else", "schema_version": 1}).encode(), FormatError),
+])
+def test_manifest_not_json_or_wrong_schema(env, payload, error):
+    store, _, sub = env
+    before = sub.model_digest
+    rewrite_manifest(store, 2, lambda o: None)  # keep HEAD consistent with whatever we write next
+    store.put(manifest_key(2), payload)
+    head = parse_head(store.get(HEAD_KEY).data)
+    store.put(HEAD_KEY, Head(head.version, head.kind, head.keyframe_version, xxh3_128(payload),
+                             head.committed_unix_ms).to_bytes())
+    with pytest.raises(error):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_manifest_tampered_without_head_is_caught_by_hash(env):
+    store, _, sub = env
+    before = sub.model_digest
+    obj = json.loads(store.get(manifest_key(2)).data)
+    obj["step"] = 12345
+    store.put(manifest_key(2), json.dumps(obj).encode())
+    with pytest.raises(ChecksumMismatchError, match="manifest"):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+@pytest.mark.parametrize("mutate, error", [
+    (lambda o: o["chunks"][0].__setitem__("size", -1), FormatError),
+    (lambda o: o["chunks"][0].__setitem__("size", 1 << 60), FormatError),
+    (lambda o: o["tensors"][0].__setitem__("shape", [-1, 4]), FormatError),
+    (lambda o: o["tensors"][0].__setitem__("shape", [1 << 40, 1 << 40]), FormatError),
+    (lambda o: o["tensors"][0].__setitem__("name", "../../etc/passwd"), UnsafeNameError),
+    (lambda o: o["tensors"][0].__setitem__("name", "/abs/path"), UnsafeNameError),
+    (lambda o: o["chunks"][0].__setitem__("name", "../HEAD"), UnsafeNameError),
+    (lambda o: o["chunks"][0].__setitem__("name", "/etc/passwd"), UnsafeNameError),
+    (lambda o: o["tensors"][0].__setitem__("dtype", "object"), FormatError),
+    (lambda o: o.__setitem__("version", "2"), FormatError),
+    (lambda o: o.__setitem__("base_version", None), FormatError),
+    (lambda o: o["blocks"][0].__setitem__("offset", 1 << 30), FormatError),
+    (lambda o: o["blocks"][0]["segments"][0].__setitem__(2, 1 << 40), FormatError),
+    (lambda o: o["blocks"][0]["segments"].append(list(o["blocks"][0]["segments"][0])), FormatError),
+])
+def test_manifest_bad_fields(env, mutate, error):
+    store, _, sub = env
+    before = sub.model_digest
+    rewrite_manifest(store, 2, mutate)
+    with pytest.raises(error):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_declared_decoded_size_larger_than_tensor_is_a_bomb(env):
+    store, _, sub = env
+    before = sub.model_digest
+
+    def inflate(o):
+        b = o["blocks"][0]
+        b["streams"][0][2] = 256 * 256 * 2 * 1000  # far more than dtype x shape can hold
+    rewrite_manifest(store, 2, inflate)
+    with pytest.raises(DecompressionBombError):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_zstd_frame_larger_than_declared_is_a_bomb(env):
+    """The manifest stays honest, but the chunk holds a frame that would inflate past it."""
+    import zstandard
+
+    store, _, sub = env
+    before = sub.model_digest
+    m = json.loads(store.get(manifest_key(2)).data)
+    blk = m["blocks"][0]
+    codec, stored, raw = blk["streams"][0]
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (raw * 100))
+    key = chunk_key(2, m["chunks"][blk["chunk"]]["name"])
+    data = store.get(key).data
+    off = blk["offset"]
+    new = data[:off] + bomb + data[off + stored:]
+    store.put(key, new)
+
+    def fix(o):
+        o["blocks"][0]["streams"][0] = ["zstd", len(bomb), raw]
+        delta = len(bomb) - stored
+        for other in o["blocks"][1:]:
+            if other["chunk"] == blk["chunk"] and other["offset"] > off:
+                other["offset"] += delta
+        o["chunks"][blk["chunk"]]["size"] = len(new)
+        o["chunks"][blk["chunk"]]["xxh3_128"] = xxh3_128(new)
+    rewrite_manifest(store, 2, fix)
+    with pytest.raises(DecompressionBombError):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_positions_outside_segment(env):
+    """Gaps that walk past the end of the segment are refused before anything is patched."""
+    store, _, sub = env
+    before = sub.model_digest
+
+    def shrink(o):
+        for b in o["blocks"]:
+            if b["encoding"] == "sparse-sub":
+                seg = b["segments"][0]
+                seg[2] = seg[3]  # count == nnz: the last changed position now lies outside
+                return
+        raise AssertionError("no sparse block")
+    rewrite_manifest(store, 2, shrink)
+    with pytest.raises(DecodeError, match="outside"):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_wrong_base_version(env, tmp_path):
+    store, pub, sub = env
+    # a subscriber that holds some other history: it was following another prefix
+    other = LocalStore(tmp_path / "other")
+    Publisher(store=other).publish(weights(5))
+    stranger = Subscriber(store=other)
+    stranger.sync()
+    stranger.store = store  # now pointed at a prefix whose delta 2 builds on a different version 1
+    with pytest.raises(BaseMismatchError):
+        stranger.sync()
+    assert stranger.version == 1
+    assert_state_equal(stranger.state_dict(), weights(5))
+
+
+def test_digest_mismatch_undoes_patches(env):
+    """A delta that decodes but yields other weights than promised is rolled back."""
+    from xcluster.errors import DigestMismatchError
+
+    store, _, sub = env
+    before = sub.model_digest
+    rewrite_manifest(store, 2, lambda o: [t.__setitem__("digest", "0" * 32) for t in o["tensors"]
+                                          if t["name"] == "w"])
+    with pytest.raises(DigestMismatchError, match="w"):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_all_errors_are_xcluster_errors():
+    for cls in (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, DecodeError, DecompressionBombError,
+                FormatError, SchemaVersionError, TruncatedObjectError, UnsafeNameError):
+        assert issubclass(cls, XclusterError)
+
+
+def test_publisher_refuses_unsafe_names(tmp_path):
+    pub = Publisher(str(tmp_path))
+    for bad in ("../x", "/abs", "a/b", "", "a..b", "sp ace"):
+        with pytest.raises(UnsafeNameError):
+            pub.publish({bad: torch.zeros(2)})
+    assert pub.version == 0

@@ -1,0 +1,170 @@
+"""Commit protocol, keyframe policy and chain replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
+from xcluster.errors import ConcurrentPublisherError, StoreError
+from xcluster.format import HEAD_KEY, manifest_key, parse_head, parse_manifest
+from xcluster.store import LocalStore
+from tests.unit.helpers import assert_state_equal
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(128, 128, generator=g).to(torch.bfloat16)
+    bits = w.view(torch.int16).reshape(-1)
+    for s in range(1, step + 1):
+        idx = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(s))[:300]
+        bits[idx] += 1
+    return {"w": w, "step": torch.tensor(step)}
+
+
+class FailingStore:
+    """Wraps a store; while armed, fails every put whose key contains ``match``."""
+
+    def __init__(self, inner, match: str):
+        self.inner, self.match, self.armed = inner, match, False
+        self.url = inner.url
+
+    def put(self, key, data, **kw):
+        if self.armed and self.match in key:
+            raise StoreError(f"injected failure writing {key}")
+        return self.inner.put(key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_first_version_keyframe_then_every_k(tmp_path):
+    pub = Publisher(str(tmp_path), config=PublisherConfig(keyframe_every=3))
+    kinds = [pub.publish(weights(s), step=s).kind for s in range(7)]
+    assert kinds == ["keyframe", "delta", "delta", "keyframe", "delta", "delta", "keyframe"]
+    forced = pub.publish(weights(7), keyframe=True)
+    assert forced.kind == "keyframe"
+
+
+@pytest.mark.parametrize("fail_on", [".xc", "manifest.json", HEAD_KEY])
+def test_crash_mid_commit_leaves_nothing_visible(tmp_path, fail_on):
+    store = LocalStore(tmp_path)
+    flaky = FailingStore(store, fail_on)
+    pub = Publisher(store=flaky, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1
+    flaky.armed = True
+    with pytest.raises(StoreError, match="injected"):
+        pub.publish(weights(1))
+    # nothing of version 2 is visible or left behind; HEAD still names 1
+    assert parse_head(store.get(HEAD_KEY).data).version == 1
+    assert store.list("versions/000000000002/") == []
+    assert sub.sync() == 1
+    assert_state_equal(sub.state_dict(), weights(0))
+    # the same publisher retries the same version number, still as a delta, and succeeds
+    flaky.armed = False
+    res = pub.publish(weights(1))
+    assert (res.version, res.kind) == (2, "delta")
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), weights(1))
+
+
+def test_killed_publisher_leftovers_are_cleaned_by_the_next(tmp_path):
+    store = LocalStore(tmp_path)
+    Publisher(store=store).publish(weights(0))
+    # a publisher that died after uploading chunks and the manifest, before HEAD
+    store.put("versions/000000000002/cdeadbeef-000000.xc", b"partial")
+    store.put("versions/000000000002/manifest.json", b"{}")
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1  # the orphan is invisible
+    pub = Publisher(store=store)
+    assert store.list("versions/000000000002/") == []
+    assert pub.publish(weights(1)).version == 2
+    assert sub.sync() == 2
+
+
+def test_two_publishers_cannot_both_commit(tmp_path):
+    store = LocalStore(tmp_path)
+    a = Publisher(store=store)
+    b = Publisher(store=store, config=PublisherConfig(clean_uncommitted=False))
+    a.publish(weights(0))
+    with pytest.raises(ConcurrentPublisherError):
+        b.publish(weights(5))
+    assert parse_head(store.get(HEAD_KEY).data).version == 1
+    sub = Subscriber(store=store)
+    sub.sync()
+    assert sub.model_digest == model_digest(weights(0))
+
+
+def test_new_subscriber_starts_from_newest_keyframe(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=4))
+    for s in range(10):
+        pub.publish(weights(s), step=s)
+    applied = []
+    sub = Subscriber(store=store, on_apply=applied.append)
+    assert sub.sync() == 10
+    assert [(e.version, e.kind) for e in applied] == [(9, "keyframe"), (10, "delta")]
+    assert_state_equal(sub.state_dict(), weights(9))
+
+
+def test_far_behind_subscriber_replays_chain_or_jumps_to_keyframe(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=5))
+    applied = []
+    sub = Subscriber(store=store, on_apply=applied.append)
+    pub.publish(weights(0))
+    sub.sync()
+    for s in range(1, 4):
+        pub.publish(weights(s))
+    sub.sync()  # 2, 3, 4 replayed as deltas
+    assert [e.version for e in applied] == [1, 2, 3, 4]
+    for s in range(4, 12):
+        pub.publish(weights(s))
+    sub.sync()  # newest keyframe is 11 > 4: load it, skip 5..10
+    assert [e.version for e in applied][4:] == [11, 12]
+    assert_state_equal(sub.state_dict(), weights(11))
+
+
+def test_sync_until_and_cannot_go_back(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    for s in range(5):
+        pub.publish(weights(s))
+    sub = Subscriber(store=store)
+    assert sub.sync(until=3) == 3
+    assert_state_equal(sub.state_dict(), weights(2))
+    assert sub.sync() == 5
+    with pytest.raises(Exception, match="cannot go back"):
+        sub.sync(until=2)
+
+
+def test_empty_store_sync_returns_none(tmp_path):
+    assert Subscriber(str(tmp_path)).sync() is None
+
+
+def test_state_dict_is_a_snapshot(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    sub = Subscriber(store=store)
+    sub.sync()
+    snap = sub.state_dict()
+    pub.publish(weights(1))
+    sub.sync()
+    assert_state_equal(snap, weights(0))  # the copy handed out earlier never changes
+    assert_state_equal(sub.state_dict(), weights(1))
+
+
+def test_publish_result_accounts_every_byte(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    res = pub.publish(weights(1))
+    objects = store.list("versions/000000000002/")
+    on_disk = sum(store.stat(k).size for k in objects) + store.stat(HEAD_KEY).size
+    assert res.bytes_written == on_disk
+    m = parse_manifest(store.get(manifest_key(2)).data)
+    assert res.changed_elements == m.changed_elements == 300 + 1  # 300 weights and the step counter
+    assert res.kind == "delta" and res.base_version == 1
