@@ -114,3 +114,20 @@ def test_refuses_to_wipe_a_store_location_that_is_not_an_xcluster_store(tmp_path
     with pytest.raises(ConfigError, match="refusing to wipe"):
         run_demo(short_demo(tmp_path, store=str(foreign)), echo=io.StringIO().write)
     assert (foreign / "thesis.txt").read_text() == "do not delete"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_demo_over_s3(tmp_path, moto_s3, monkeypatch):
+    # Both processes find the endpoint and credentials the standard AWS way, from the environment.
+    monkeypatch.setenv("AWS_PROFILE", moto_s3.profile)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    url = f"s3://{moto_s3.bucket}/demo-{tmp_path.name}"
+    report = run_demo(short_demo(tmp_path, store=url, steps=3, keyframe_every=2),
+                      echo=io.StringIO().write)
+    assert report.ok, report.failures
+    assert [r.kind for r in report.rows] == ["keyframe", "delta", "keyframe"]
+    keys = [o["Key"] for o in moto_s3.client().list_objects_v2(
+        Bucket=moto_s3.bucket, Prefix=f"demo-{tmp_path.name}/").get("Contents", [])]
+    assert f"demo-{tmp_path.name}/HEAD" in keys
