@@ -228,12 +228,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     d = DemoConfig.__dataclass_fields__
     p = subparsers.add_parser(
         "demo", help="train a small model and ship every step to a follower process, bit-exact",
-        description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"].default, help="Adam learning rate (default %(default)g)")
+        description="Train a small transformer on CPU; after every step publish its bf16 weights "
+                    "to a store, follow the store from a separate process, and prove every "
+                    "version bit-exact there. Prints a per-step table and writes a plot.")
+    p.add_argument("--steps", type=int, default=d["steps"].default,
+                   help="optimizer steps (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"].default,
+                   help="Adam learning rate (default %(default)g)")
     p.add_argument("--keyframe-every", type=int, default=d["keyframe_every"].default,
                    help="publisher keyframe interval (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"].default, help="random seed (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"].default,
+                   help="random seed (default %(default)s)")
     p.add_argument("--out", type=Path, default=d["out"].default,
                    help="output directory for the plot and per-step data (default %(default)s)")
     p.add_argument("--store", default=None,
