@@ -21,6 +21,8 @@ from ..errors import ObjectNotFoundError, PreconditionFailedError, StoreError
 from .base import Blob, Stat, check_key
 
 _TMP_PREFIX = ".xc-tmp-"
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def _etag(data: bytes | memoryview) -> str:
@@ -86,6 +88,7 @@ class LocalStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
         try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; objects are as readable as any file
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 if self._fsync:
