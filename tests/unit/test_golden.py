@@ -38,7 +38,7 @@ def write(root: Path) -> None:
 
 def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.endswith(".lock")}
+            if p.is_file() and not p.name.startswith(".")}
 
 
 def test_writer_produces_the_golden_bytes(tmp_path):

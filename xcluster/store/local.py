@@ -25,6 +25,10 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
 def _etag(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
@@ -76,7 +80,7 @@ class LocalStore:
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if name.startswith(".") or name.endswith(".lock"):
+                if name.startswith("."):  # temp and lock files; keys never start with "."
                     continue
                 key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix):
@@ -102,7 +106,7 @@ class LocalStore:
     @contextmanager
     def _locked(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
+        with open(_lock_path(path), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -159,6 +163,6 @@ class LocalStore:
         except FileNotFoundError:
             pass
         try:
-            path.with_name(path.name + ".lock").unlink()
+            _lock_path(path).unlink()
         except FileNotFoundError:
             pass
