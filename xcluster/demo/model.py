@@ -64,11 +64,20 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``cache`` (sampling only) holds this block's keys and values so far and is extended
+        in place; with a cache, ``x`` is either the whole prompt or one new position."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is not None:
+            if cache:
+                if t != 1:
+                    raise ConfigError("with a non-empty KV cache, feed one position at a time")
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+        # one new query attends to every cached key; otherwise causal over the sequence
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2])
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -101,21 +110,29 @@ class TinyTransformer(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, last_only: bool = False,
+                cache: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Logits of shape ``(batch, seq, vocab)`` for int64 ``tokens`` of shape ``(batch, seq)``.
 
         ``last_only=True`` returns only the last position's logits, ``(batch, vocab)``: all
-        that sampling needs, and it skips most of the output-head work.
+        that sampling needs, and it skips most of the output-head work. ``cache`` (from
+        :meth:`new_cache`) keeps keys and values between calls, so sampling feeds the prompt
+        once and then one token per call.
         """
         t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ConfigError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
-        x = self.tok(tokens) + self.pos(self.position_ids[:t])
-        for block in self.blocks:
-            x = block(x)
+        start = cache[0][0].shape[2] if cache and cache[0] else 0
+        if start + t > self.cfg.max_seq_len:
+            raise ConfigError(f"sequence length {start + t} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok(tokens) + self.pos(self.position_ids[start:start + t])
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache[i])
         if last_only:
             x = x[:, -1]
         return self.ln_f(x) @ self.tok.weight.T
+
+    def new_cache(self) -> list[list[torch.Tensor]]:
+        """An empty KV cache: one ``[keys, values]`` slot per block."""
+        return [[] for _ in self.blocks]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -89,10 +89,12 @@ class PolicyGradientTrainer:
         c = self.config
         vocab = self.model.cfg.vocab_size
         tokens = torch.randint(0, vocab, (c.batch_size, c.prompt_len), generator=self.generator)
+        cache = self.model.new_cache()
+        step_in = tokens
         for _ in range(c.gen_len):
-            probs = torch.softmax(self.model(tokens, last_only=True), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=self.generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
+            probs = torch.softmax(self.model(step_in, last_only=True, cache=cache), dim=-1)
+            step_in = torch.multinomial(probs, 1, generator=self.generator)
+            tokens = torch.cat([tokens, step_in], dim=1)
         return tokens
 
     def step(self) -> StepStats:
