@@ -8,36 +8,41 @@ its zigzag 1 or 2 — a much smaller alphabet than the XOR of the bits (1, 3, 7,
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from ..dtypes import UINT
 
 
-def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
-    """Sorted int64 positions where the flat integer bit views ``old`` and ``new`` differ.
+SCAN_ELEMENTS = 1 << 20
+"""Elements compared per pass: both operands of a pass stay in cache for the second look."""
 
-    Elements narrower than 8 bytes are compared eight bytes at a time first (one int64 word
-    holds 8/width elements), so the mask and the nonzero scan are 8/width times smaller.
+
+def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Sorted int64 positions where the unsigned bit views ``old`` and ``new`` differ.
+
+    Elements narrower than 8 bytes are compared eight bytes at a time first (one uint64 word
+    holds 8/width elements), so the mask and the nonzero scan are 8/width times smaller; only
+    the few differing words are looked at lane by lane.
     """
-    w = old.element_size()
+    parts = [_scan(old[s:s + SCAN_ELEMENTS], new[s:s + SCAN_ELEMENTS]) + s
+             for s in range(0, old.size, SCAN_ELEMENTS)]
+    parts = [p for p in parts if p.size]
+    if not parts:
+        return np.empty(0, dtype=np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _scan(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    w = old.itemsize
     per = 8 // w
-    n = old.numel()
-    main = (n // per) * per if per > 1 else 0
+    main = old.size - old.size % per if per > 1 else 0
     parts: list[np.ndarray] = []
     if main:
-        try:
-            ow, nw = old[:main].view(torch.int64), new[:main].view(torch.int64)
-        except RuntimeError:  # storage offset not 8-byte aligned
-            main = 0
-        else:
-            wi = torch.nonzero(ow != nw).squeeze(1).numpy()
-            if wi.size:
-                x = np.take(ow.numpy(), wi) ^ np.take(nw.numpy(), wi)
-                rows, lanes = np.nonzero(x.view(UINT[w]).reshape(-1, per))
-                parts.append(wi[rows] * per + lanes)
-    if main < n:
-        rest = torch.nonzero(old[main:] != new[main:]).squeeze(1).numpy()
-        parts.append(rest + main)
+        o64, n64 = old[:main].view(np.uint64), new[:main].view(np.uint64)
+        wi = np.flatnonzero(o64 != n64)
+        if wi.size:
+            x = o64[wi] ^ n64[wi]
+            rows, lanes = np.nonzero(x.view(old.dtype).reshape(-1, per))
+            parts.append(wi[rows] * per + lanes)
+    if main < old.size:
+        parts.append(np.flatnonzero(old[main:] != new[main:]) + main)
     if not parts:
         return np.empty(0, dtype=np.int64)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
