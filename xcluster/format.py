@@ -302,7 +302,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         if cname in names or cname == "manifest.json":
             raise FormatError(f"{cw}: duplicate or reserved chunk name {cname!r}")
         names.add(cname)
-        chunks.append(ChunkEntry(cname, _int(c, "size", cw, hi=MAX_CHUNK_BYTES),
+        chunks.append(ChunkEntry(cname, _int(c, "size", cw, lo=1, hi=MAX_CHUNK_BYTES),
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))
 
     blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]

@@ -22,8 +22,8 @@ from .digest import model_digest_from, tensor_digest
 from .dtypes import torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DigestMismatchError,
                      FormatError, IntegrityError, ObjectNotFoundError, TruncatedObjectError)
-from .format import (HEAD_KEY, INIT_BASE, KEYFRAME, Head, Manifest, chunk_key, manifest_key, parse_head,
-                     parse_manifest, xxh3_128)
+from .format import (HEAD_KEY, INIT_BASE, KEYFRAME, MAX_MANIFEST_BYTES, Head, Manifest, chunk_key, manifest_key,
+                     parse_head, parse_manifest, xxh3_128)
 from .store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -152,17 +152,16 @@ class Subscriber:
 
     def _read_manifest(self, version: int, expect_hash: str) -> tuple[Manifest, str]:
         key = manifest_key(version)
-        try:
-            blob = self.store.get(key)
+        try:  # bounded read: a hostile object cannot make us allocate more than the limit
+            data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError:
             raise ChainBrokenError(f"{self.store.url}/{key} is missing: the chain to HEAD is broken "
                                    "(retention removed it?); the next keyframe repairs this") from None
-        assert blob is not None
-        got = xxh3_128(blob.data)
+        got = xxh3_128(data)
         if got != expect_hash:
             raise ChecksumMismatchError(f"{self.store.url}/{key} hashes to {got}, its successor says "
                                         f"{expect_hash}: the manifest is corrupt or was replaced")
-        m = parse_manifest(blob.data, where=f"{self.store.url}/{key}")
+        m = parse_manifest(data, where=f"{self.store.url}/{key}")
         if m.version != version:
             raise FormatError(f"{self.store.url}/{key} says it is version {m.version}")
         return m, got
@@ -196,12 +195,10 @@ class Subscriber:
         where = f"{self.store.url}/{key}"
         err: IntegrityError | None = None
         for attempt in range(self.config.integrity_retries + 1):
-            try:
-                blob = self.store.get(key)
+            try:  # one byte more than expected tells "too long" without reading a hostile object whole
+                data = self.store.get_range(key, 0, c.size + 1)
             except ObjectNotFoundError:
                 raise ChainBrokenError(f"{where} is missing: version {m.version} cannot be applied") from None
-            assert blob is not None
-            data = blob.data
             if len(data) != c.size:
                 err = TruncatedObjectError(f"{where} is {len(data)} bytes, the manifest says {c.size}")
             elif (got := xxh3_128(data)) != c.xxh3_128:

@@ -258,3 +258,43 @@ def test_publisher_refuses_unsafe_names(tmp_path):
         with pytest.raises(UnsafeNameError):
             pub.publish({bad: torch.zeros(2)})
     assert pub.version == 0
+
+
+def test_oversized_chunk_is_refused_without_reading_it_whole(env):
+    store, _, sub = env
+    before = sub.model_digest
+    key = first_chunk(store, 2)
+    store.put(key, store.get(key).data + b"\0" * (4 << 20))
+    reads = []
+    real = store.get_range
+
+    def spy(k, start, length):
+        if k == key:
+            reads.append(length)
+        return real(k, start, length)
+    store.get_range = spy
+    with pytest.raises(TruncatedObjectError, match="manifest says"):
+        sub.sync()
+    assert reads and max(reads) < 1 << 20  # never asked for the 4 MiB
+    assert_untouched(sub, before)
+
+
+def test_persistently_corrupt_delta_recovers_at_next_keyframe(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3))
+    sub = Subscriber(store=store)
+    pub.publish(weights(0))
+    sub.sync()
+    pub.publish(weights(1))  # v2: corrupted for good
+    key = first_chunk(store, 2)
+    store.put(key, b"garbage")
+    for _ in range(2):
+        with pytest.raises(TruncatedObjectError):
+            sub.sync()
+        assert sub.version == 1
+    pub.publish(weights(2))  # v3 delta: still unreachable, it builds on the bad v2
+    with pytest.raises(TruncatedObjectError):
+        sub.sync()
+    pub.publish(weights(3))  # v4 keyframe: the chain restarts past the corruption
+    assert sub.sync() == 4
+    assert_state_equal(sub.state_dict(), weights(3))
