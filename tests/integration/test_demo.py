@@ -131,3 +131,24 @@ def test_demo_over_s3(tmp_path, moto_s3, monkeypatch):
     keys = [o["Key"] for o in moto_s3.client().list_objects_v2(
         Bucket=moto_s3.bucket, Prefix=f"demo-{tmp_path.name}/").get("Contents", [])]
     assert f"demo-{tmp_path.name}/HEAD" in keys
+
+
+def test_training_is_seeded_and_ships_bf16_with_int_buffers_untouched():
+    import torch
+
+    from xcluster.demo.model import PRESETS, build_model
+    from xcluster.demo.train import PolicyGradientTrainer, TrainConfig, bf16_state_dict
+    from xcluster.digest import model_digest
+
+    def train(seed: int) -> dict:
+        trainer = PolicyGradientTrainer(build_model(PRESETS["tiny"], seed=seed), TrainConfig(steps=2, seed=seed))
+        before = bf16_state_dict(trainer.model)
+        trainer.step(), trainer.step()
+        after = bf16_state_dict(trainer.model)
+        assert model_digest(after) != model_digest(before)  # the steps moved some bf16 weights
+        return after
+
+    a, b, c = train(0), train(0), train(1)
+    assert model_digest(a) == model_digest(b) != model_digest(c)
+    assert a["position_ids"].dtype == torch.int64
+    assert all(t.dtype == torch.bfloat16 for k, t in a.items() if k != "position_ids")

@@ -51,6 +51,10 @@ class DemoConfig:
     """Model preset from :data:`xcluster.demo.model.PRESETS` (``demo`` ~9M params, ``tiny``)."""
     poll: float = 0.02
     """Follower poll interval in seconds."""
+    threads: int = 1
+    """Torch CPU threads for training. One by default: the follower runs beside the trainer,
+    and on a small, busy machine two spinning OpenMP threads per process make each step
+    10-20× slower instead of faster."""
     follower_timeout: float = 60.0
     """The follower gives up after this many seconds without a new version."""
     tamper_version: int | None = None
@@ -68,6 +72,8 @@ class DemoConfig:
             raise ConfigError(f"DemoConfig.lr must be > 0, got {self.lr}")
         if self.model not in PRESETS:
             raise ConfigError(f"DemoConfig.model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        if self.threads < 1:
+            raise ConfigError(f"DemoConfig.threads must be ≥ 1, got {self.threads}")
         if not self.poll > 0 or not self.follower_timeout > 0:
             raise ConfigError("DemoConfig.poll and follower_timeout must be > 0")
 
@@ -130,6 +136,17 @@ def _wipe(config: DemoConfig) -> None:
 
 def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = print) -> DemoReport:
     """Train, publish, follow in another process, verify; print as it goes; return the report."""
+    import torch
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config, echo)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     from .. import Publisher, PublisherConfig
     from ..digest import model_digest
     from .follow import Follower, read_results
@@ -246,6 +263,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="do not wipe the store first")
     p.add_argument("--model", default=d["model"].default, choices=["demo", "tiny"],
                    help="model size: demo (~9M params) or tiny (for tests); default %(default)s")
+    p.add_argument("--threads", type=int, default=d["threads"].default,
+                   help="torch CPU threads for training (default %(default)s)")
     p.add_argument("--tamper-version", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_demo)
     return p
@@ -255,7 +274,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         config = DemoConfig(steps=args.steps, lr=args.lr, keyframe_every=args.keyframe_every,
                             seed=args.seed, out=args.out, store=args.store, keep=args.keep,
-                            model=args.model, tamper_version=args.tamper_version)
+                            model=args.model, threads=args.threads,
+                            tamper_version=args.tamper_version)
         report = run_demo(config)
     except XclusterError as exc:
         print(f"xcluster demo: {type(exc).__name__}: {exc}")
