@@ -43,6 +43,7 @@ _BOTOCORE_TRANSIENT = (
     "ConnectionError",  # EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
     "HTTPClientError",  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
     "IncompleteReadError",  # body shorter than Content-Length
+    "FlexibleChecksumError",  # botocore's own body checksum failed: fetch the bytes again
 )
 
 
@@ -59,6 +60,9 @@ def is_transient(exc: BaseException) -> bool:
         return code in TRANSIENT_ERROR_CODES or status in TRANSIENT_HTTP_STATUS
     bce = sys.modules.get("botocore.exceptions")
     if bce is not None and isinstance(exc, tuple(getattr(bce, n) for n in _BOTOCORE_TRANSIENT)):
+        return True
+    parsers = sys.modules.get("botocore.parsers")  # a garbled (truncated) response document
+    if parsers is not None and isinstance(exc, parsers.ResponseParserError):
         return True
     return isinstance(exc, (ConnectionError, TimeoutError))  # stdlib resets, refusals, timeouts
 
@@ -105,7 +109,7 @@ def retrying(policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep
     return tenacity.Retrying(
         retry=tenacity.retry_if_exception(is_transient),
         stop=tenacity.stop_after_attempt(policy.attempts) | tenacity.stop_after_delay(policy.deadline_s),
-        wait=tenacity.wait_exponential_jitter(initial=policy.initial_backoff_s,
+        wait=tenacity.wait_exponential_jitter(multiplier=policy.initial_backoff_s,
                                               max=policy.max_backoff_s, jitter=policy.jitter_s),
         sleep=sleep,
         before_sleep=before_sleep,

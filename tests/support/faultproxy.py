@@ -67,7 +67,7 @@ def _head_bytes(first: bytes, headers) -> bytes:
 
 
 def _body_chunks(f, headers, *, none: bool = False):
-    """Yield a message body in pieces (de-chunked); ``None`` length means read to EOF."""
+    """Yield a message body in pieces (de-chunked); without a length there is no body."""
     if none:
         return
     if (_get(headers, "transfer-encoding") or "").lower() == "chunked":
@@ -79,16 +79,12 @@ def _body_chunks(f, headers, *, none: bool = False):
                 return
             yield f.read(size)
             f.readline()
-    length = _get(headers, "content-length")
-    remaining = int(length) if length is not None else None
-    while remaining is None or remaining > 0:
-        piece = f.read(_CHUNK if remaining is None else min(_CHUNK, remaining))
+    remaining = int(_get(headers, "content-length") or 0)
+    while remaining > 0:
+        piece = f.read(min(_CHUNK, remaining))
         if not piece:
-            if remaining:
-                raise _Closed
-            return
-        if remaining is not None:
-            remaining -= len(piece)
+            raise _Closed
+        remaining -= len(piece)
         yield piece
 
 
@@ -241,7 +237,7 @@ class FaultProxy:
             rheaders.append(("Content-Length", str(len(body))))
             pieces = iter([body])
         else:
-            pieces = _body_chunks(uf, rheaders, none=no_body or _get(rheaders, "content-length") is None)
+            pieces = _body_chunks(uf, rheaders, none=no_body)
         length = 0 if no_body else int(_get(rheaders, "content-length") or 0)
         head = _head_bytes(rfirst, rheaders)
         if kind in ("reset", "truncate"):

@@ -162,7 +162,7 @@ class S3Store:
         self.stats = S3Stats()
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._conditional_mode: str | None = None if self.config.probe_conditional_writes else "native"
+        self._honoured: dict[str, bool] = {}  # conditional-write feature -> server enforces it
         self._warned_emulation = False
 
     @classmethod
@@ -255,53 +255,70 @@ class S3Store:
         return results
 
     # --- conditional-write support ------------------------------------------------------------
-    def _check_conditional_support(self) -> str:
-        """``"native"`` or ``"emulate"``; probes the server once if configured to."""
+    def _needs_emulation(self, feature: str) -> bool:
+        """Whether ``feature`` (e.g. ``"multipart If-Match"``) must be emulated with
+        HEAD-then-PUT; probes the server once per feature if configured to."""
+        if not self.config.probe_conditional_writes:
+            return False
         with self._lock:
-            mode = self._conditional_mode
-        if mode is None:
-            mode = "native" if self._probe_conditional_writes() else "unsupported"
+            honoured = self._honoured.get(feature)
+        if honoured is None:
+            honoured = self._probe(feature)
             with self._lock:
-                self._conditional_mode = mode
-        if mode == "unsupported":
-            message = (f"{self.url}: this server ignores If-None-Match/If-Match on PutObject, so "
-                       "two publishers could overwrite one version")
-            if self.config.require_conditional_writes:
-                raise ConditionalWritesUnsupportedError(
-                    message + ". Use a server that enforces conditional writes (AWS S3, SeaweedFS "
-                    "≥ 4, MinIO, R2), or set S3Config(require_conditional_writes=False) to accept "
-                    "a HEAD-then-PUT check that narrows the race but cannot close it (then run "
-                    "exactly one publisher per prefix)")
-            if not self._warned_emulation:
-                self._warned_emulation = True
-                text = message + "; falling back to HEAD-then-PUT, which does NOT close the race"
-                log.warning(text)
-                warnings.warn(text, RuntimeWarning, stacklevel=3)
-            return "emulate"
-        return mode
+                self._honoured[feature] = honoured
+        if honoured:
+            return False
+        message = (f"{self.url}: this server ignores {feature} on writes, so two publishers "
+                   "could overwrite one version")
+        if self.config.require_conditional_writes:
+            raise ConditionalWritesUnsupportedError(
+                message + ". Use a server that enforces conditional writes (AWS S3, SeaweedFS "
+                "≥ 4, MinIO, R2), or set S3Config(require_conditional_writes=False) to accept a "
+                "HEAD-then-PUT check that narrows the race but cannot close it (then run exactly "
+                "one publisher per prefix)")
+        if not self._warned_emulation:
+            self._warned_emulation = True
+            text = message + "; falling back to HEAD-then-PUT, which does NOT close the race"
+            log.warning(text)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        return True
 
-    def _probe_conditional_writes(self) -> bool:
+    def _probe(self, feature: str) -> bool:
+        """Does the server refuse a write that ``feature``'s header forbids? (scratch key)"""
         key = f"{self._prefix}{_PROBE_PREFIX}{uuid.uuid4().hex}"
-        what = f"s3://{self.bucket}/{key}: probe of conditional writes"
+        what = f"s3://{self.bucket}/{key}: probe of {feature}"
+        cond = {"IfNoneMatch": "*"} if feature.endswith("If-None-Match") else {"IfMatch": _NO_SUCH_ETAG}
+        client = self._client
 
-        def put(body: bytes, **cond: str) -> bool:
+        def refused(fn: Callable[[], Any]) -> bool:
             try:
-                self._run(what, lambda: self._client.put_object(
-                    Bucket=self.bucket, Key=key, Body=body, **cond))
-                return True
-            except (PreconditionFailedError, ObjectNotFoundError):
+                self._run(what, fn)
                 return False
+            except (PreconditionFailedError, ObjectNotFoundError):
+                return True
 
         try:
-            put(b"1", IfNoneMatch="*")
-            create_once = not put(b"2", IfNoneMatch="*")
-            swap = not put(b"3", IfMatch=_NO_SUCH_ETAG)
+            self._run(what, lambda: client.put_object(Bucket=self.bucket, Key=key, Body=b"1"))
+            if not feature.startswith("multipart"):
+                result = refused(lambda: client.put_object(Bucket=self.bucket, Key=key, Body=b"2",
+                                                           **cond))
+            else:
+                upload = self._run(what, lambda: client.create_multipart_upload(
+                    Bucket=self.bucket, Key=key))["UploadId"]
+                try:
+                    etag = self._run(what, lambda: client.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=1,
+                        Body=b"2"))["ETag"]
+                    result = refused(lambda: client.complete_multipart_upload(
+                        Bucket=self.bucket, Key=key, UploadId=upload, **cond,
+                        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}))
+                finally:
+                    self._abort(what, key, upload)
         finally:
-            self._run(what, lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
-        if not (create_once and swap):
-            log.warning("%s: If-None-Match honoured: %s, If-Match honoured: %s", what,
-                        create_once, swap)
-        return create_once and swap
+            self._run(what, lambda: client.delete_object(Bucket=self.bucket, Key=key))
+        if not result:
+            log.warning("%s: the server does not enforce it", what)
+        return result
 
     def _emulate_precondition(self, key: str, if_match: str | None, if_none_match: bool) -> None:
         try:
@@ -327,13 +344,16 @@ class S3Store:
             cond["IfNoneMatch"] = "*"
         elif if_match is not None:
             cond["IfMatch"] = if_match
-        if cond and self._check_conditional_support() == "emulate":
+        multipart = len(view) > self.config.multipart_threshold
+        if cond and self._needs_emulation(("multipart " if multipart else "") + next(iter(cond))
+                                          .replace("IfNoneMatch", "If-None-Match")
+                                          .replace("IfMatch", "If-Match")):
             self._emulate_precondition(key, if_match, if_none_match)
         write_id = uuid.uuid4().hex
         meta = self._metadata(view, write_id)
         retried = [False]  # set once any attempt of this put failed transiently
         try:
-            if len(view) > self.config.multipart_threshold:
+            if multipart:
                 return self._put_multipart(key, full, view, meta, cond, retried)
             return self._put_single(key, full, view, data, meta, cond, retried)
         except (PreconditionFailedError, ObjectNotFoundError) as exc:
@@ -391,9 +411,14 @@ class S3Store:
             raise StoreError(f"{self._where(key)}: {len(view)} bytes need {count} parts of "
                              f"{part}; S3 allows {S3_MAX_PARTS}: raise S3Config.part_size")
         where = self._where(key)
-        upload_id = self._run(f"{where}: create multipart upload",
-                              lambda: self._client.create_multipart_upload(
-                                  Bucket=self.bucket, Key=full, Metadata=meta))["UploadId"]
+        creates = [0]
+
+        def create() -> str:
+            creates[0] += 1
+            return self._client.create_multipart_upload(Bucket=self.bucket, Key=full,
+                                                        Metadata=meta)["UploadId"]
+
+        upload_id = self._run(f"{where}: create multipart upload", create)
         self._count(multipart_uploads=1)
         try:
             def upload(i: int) -> str:
@@ -420,6 +445,25 @@ class S3Store:
         except BaseException:
             self._abort(where, full, upload_id)
             raise
+        finally:
+            if creates[0] > 1:
+                self._abort_strays(where, full, upload_id)
+
+    def _abort_strays(self, where: str, full: str, ours: str) -> None:
+        """A retried CreateMultipartUpload may have created uploads whose ids we never saw;
+        abort the other in-progress uploads of this exact key (a rival's too: it then fails
+        and retries, which is safe — nobody overwrites anybody)."""
+        try:
+            listing = self._run(f"{where}: list multipart uploads", lambda: (
+                self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full)))
+        except StoreError:
+            log.exception("%s: could not list multipart uploads to clean up", where)
+            return
+        for upload in listing.get("Uploads", []):
+            if upload["Key"] == full and upload["UploadId"] != ours:
+                log.warning("%s: aborting stray multipart upload %s left by a retried create",
+                            where, upload["UploadId"])
+                self._abort(where, full, upload["UploadId"])
 
     def _abort(self, where: str, full: str, upload_id: str) -> None:
         try:
