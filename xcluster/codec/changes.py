@@ -14,38 +14,44 @@ SCAN_ELEMENTS = 1 << 20
 """Elements compared per pass: both operands of a pass stay in cache for the second look."""
 
 
-def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Sorted int64 positions where the unsigned bit views ``old`` and ``new`` differ.
+def find_changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the unsigned bit views ``old`` and ``new`` differ: sorted int64 positions and the
+    old and new values there.
 
     Elements narrower than 8 bytes are compared eight bytes at a time first (one uint64 word
-    holds 8/width elements), so the mask and the nonzero scan are 8/width times smaller; only
-    the few differing words are looked at lane by lane.
+    holds 8/width elements), so the mask and the nonzero scan are 8/width times smaller; the
+    few differing words are gathered once and their lanes read from that compact copy.
     """
-    parts = [_scan(old[s:s + SCAN_ELEMENTS], new[s:s + SCAN_ELEMENTS]) + s
+    parts = [_scan(old[s:s + SCAN_ELEMENTS], new[s:s + SCAN_ELEMENTS], s)
              for s in range(0, old.size, SCAN_ELEMENTS)]
-    parts = [p for p in parts if p.size]
+    parts = [p for p in parts if p[0].size]
     if not parts:
-        return np.empty(0, dtype=np.int64)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return np.empty(0, dtype=np.int64), old[:0].copy(), new[:0].copy()
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
-def _scan(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+def _scan(old: np.ndarray, new: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     w = old.itemsize
     per = 8 // w
     main = old.size - old.size % per if per > 1 else 0
-    parts: list[np.ndarray] = []
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     if main:
         o64, n64 = old[:main].view(np.uint64), new[:main].view(np.uint64)
         wi = np.flatnonzero(o64 != n64)
         if wi.size:
-            x = o64[wi] ^ n64[wi]
-            rows, lanes = np.nonzero(x.view(old.dtype).reshape(-1, per))
-            parts.append(wi[rows] * per + lanes)
+            ow, nw = o64[wi].view(old.dtype), n64[wi].view(old.dtype)
+            idx = np.flatnonzero(ow != nw)
+            parts.append((wi[idx // per] * per + idx % per + offset, ow[idx], nw[idx]))
     if main < old.size:
-        parts.append(np.flatnonzero(old[main:] != new[main:]) + main)
+        idx = np.flatnonzero(old[main:] != new[main:])
+        parts.append((idx + main + offset, old[main:][idx], new[main:][idx]))
     if not parts:
-        return np.empty(0, dtype=np.int64)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return np.empty(0, dtype=np.int64), old[:0], new[:0]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def zigzag_diff(old: np.ndarray, new: np.ndarray) -> np.ndarray:

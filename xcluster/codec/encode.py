@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..format import (DENSE_SUB, INIT_BASE, INIT_NONE, PLANES, SPARSE_SUB, BlockEntry, ChunkEntry, Segment,
                       StreamEntry, TensorEntry, xxh3_128)
 from . import streams
-from .changes import changed_positions, split_planes, zigzag_diff
+from .changes import find_changes, split_planes, zigzag_diff
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +173,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, dense_
         return PLANES, w, _Seg(Segment(r.t_idx, r.start, count, count), split_planes(nnp)), count, None
     assert old is not None
     onp = np_bits(old)[r.start:r.end]
-    pos = changed_positions(onp, nnp)
+    pos, ov, nv = find_changes(onp, nnp)
     nnz = int(pos.size)
     if nnz == 0:
         return None
@@ -181,7 +181,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, dense_
         z = zigzag_diff(onp, nnp)
         return DENSE_SUB, w, _Seg(Segment(r.t_idx, r.start, count, count), split_planes(z)), nnz, None
     gaps = (np.diff(pos, prepend=-1) - 1).astype(np.uint32)
-    z = zigzag_diff(np.take(onp, pos), np.take(nnp, pos))
+    z = zigzag_diff(ov, nv)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), split_planes(gaps) + split_planes(z))
     return SPARSE_SUB, w, seg, nnz, pos + r.start
 

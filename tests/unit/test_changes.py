@@ -1,0 +1,44 @@
+import numpy as np
+import pytest
+
+from xcluster.codec.changes import SCAN_ELEMENTS, find_changes, join_planes, split_planes, unzigzag, zigzag_diff
+from xcluster.dtypes import UINT
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 4099, SCAN_ELEMENTS + 13])
+def test_find_changes_matches_naive(width, n):
+    rng = np.random.default_rng(width * 1000 + n)
+    dt = UINT[width]
+    old = rng.integers(0, np.iinfo(dt).max, size=n, dtype=dt, endpoint=True)
+    new = old.copy()
+    k = max(1, n // 50) if n else 0
+    idx = rng.choice(n, size=k, replace=False) if n else np.empty(0, dtype=np.int64)
+    new[idx] ^= dt(1)
+    if n:
+        new[-1] = old[-1] + dt(3)  # the unaligned tail
+    pos, ov, nv = find_changes(old, new)
+    want = np.flatnonzero(old != new)
+    assert pos.dtype == np.int64
+    np.testing.assert_array_equal(pos, want)
+    np.testing.assert_array_equal(ov, old[want])
+    np.testing.assert_array_equal(nv, new[want])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_zigzag_roundtrip_and_small_steps(width):
+    dt = UINT[width]
+    top = np.iinfo(dt).max
+    old = np.array([0, 1, top, top - 1, 5, 0], dtype=dt)
+    new = np.array([1, 0, 0, top, 5, top], dtype=dt)
+    z = zigzag_diff(old, new)
+    np.testing.assert_array_equal(old + unzigzag(z), new)
+    assert list(z[:2]) == [2, 1] and z[4] == 0  # +1 -> 2, -1 -> 1, no change -> 0
+
+
+def test_planes_roundtrip():
+    v = (np.arange(1000, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32)
+    planes = split_planes(v)
+    assert len(planes) == 4 and all(p.dtype == np.uint8 for p in planes)
+    np.testing.assert_array_equal(planes[0], (v & 0xFF).astype(np.uint8))
+    np.testing.assert_array_equal(join_planes(planes, np.uint32), v)
