@@ -553,6 +553,24 @@ class S3Store:
             raise CorruptReadError(f"{self._where(key)}: bytes {start}+{len(chunk)} do not match the "
                                    "hash recorded at write time; fetching them again")
 
+    def _verify_covered(self, key: str, meta: dict, chunk: memoryview, start: int,
+                        total: int) -> None:
+        """Check every hashed block that lies wholly inside ``chunk`` (object bytes from
+        ``start``); a read of a whole small object is thus always checked."""
+        if not self.config.verify_reads or _META_BLOCK not in meta:
+            return
+        try:
+            block = max(int(meta[_META_BLOCK]), 1)
+        except ValueError:
+            return
+        i = -(-start // block)
+        while (a := i * block) < start + len(chunk):
+            b = min(total, a + block)
+            if b > start + len(chunk):
+                return
+            self._verify(key, meta, chunk[a - start:b - start], a, i)
+            i += 1
+
     def _get_parts(self, key: str, full: str, head: dict) -> bytearray:
         """Fetch a large object as parallel ranged GETs into one preallocated buffer."""
         size, etag, meta = int(head["ContentLength"]), head["ETag"], head.get("Metadata", {})
@@ -595,6 +613,9 @@ class S3Store:
             self._verify(key, meta, out, start, block_index)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged GET of up to ``multipart_threshold`` bytes; if the object holds more of
+        the range than that, the rest comes as parallel ranged GETs (``If-Match`` the first
+        answer's etag) into one buffer, returned as a ``bytearray`` to avoid a copy."""
         if start < 0 or length < 0:
             raise ValueError(f"bad range start={start} length={length}")
         full = self._full(key)
@@ -602,38 +623,52 @@ class S3Store:
         if length == 0:
             self.stat(key)  # still raise ObjectNotFoundError for a missing key
             return b""
-        if length > self.config.multipart_threshold:
-            st = self.stat(key)
-            end = min(st.size, start + length)
-            if end <= start:
-                return b""
-            buf = bytearray(end - start)
-            view = memoryview(buf)
-            part = self.config.part_size
+        first_len = min(length, self.config.multipart_threshold)
 
-            def fetch(i: int) -> None:
-                a, b = start + i * part, min(end, start + (i + 1) * part)
-                self._run(f"{where}: get bytes {a}-{b - 1}", lambda: self._fetch_range(
-                    key, full, view[a - start:b - start], a, st.etag, None))
-                self._count(parts_downloaded=1)
-
-            self._parallel(fetch, -(-(end - start) // part))
-            return bytes(buf)
-
-        def attempt() -> bytes:
+        def attempt() -> tuple[bytes, int, str, dict]:
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=full,
-                                                   Range=f"bytes={start}-{start + length - 1}")
+                                                   Range=f"bytes={start}-{start + first_len - 1}")
             except Exception as exc:
                 if _status(exc)[0] == 416:
-                    return b""  # start at or past the end
+                    return b"", 0, "", {}  # start at or past the end
                 raise
-            first, last, _ = _content_range(response, f"{where}: get_range")
-            if first != start or not 0 <= last - first < length:
+            first, last, total = _content_range(response, f"{where}: get_range")
+            if first != start or not 0 <= last - first < first_len:
                 response["Body"].close()
-                raise StoreError(f"{where}: asked for bytes {start}+{length}, got {first}-{last}")
+                raise StoreError(f"{where}: asked for bytes {start}+{first_len}, got {first}-{last}")
             buf = bytearray(last - first + 1)
+            meta = response.get("Metadata", {})
             _read_into(response["Body"], memoryview(buf), f"{where}: get_range")
-            return bytes(buf)
+            self._verify_covered(key, meta, memoryview(buf), first, total)
+            return bytes(buf), total, response["ETag"], meta
 
-        return self._run(f"{where}: get bytes {start}+{length}", attempt)
+        data, total, etag, meta = self._run(f"{where}: get bytes {start}+{first_len}", attempt)
+        end = min(total, start + length)
+        if start + len(data) >= end:
+            return data
+        if end - start > self.config.max_object_size:
+            raise ObjectTooLargeError(f"{where}: a range of {end - start} bytes is above "
+                                      f"S3Config.max_object_size ({self.config.max_object_size})")
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        view[:len(data)] = data
+        rest = start + len(data)
+        del data
+        part = self.config.part_size
+        if self.config.verify_reads and meta.get(_META_BLOCK, "").isdigit():
+            part = max(int(meta[_META_BLOCK]), 1)  # align parts with hashed blocks
+
+        def fetch(i: int) -> None:
+            a, b = rest + i * part, min(end, rest + (i + 1) * part)
+            out = view[a - start:b - start]
+
+            def one() -> None:
+                self._fetch_range(key, full, out, a, etag, None)
+                self._verify_covered(key, meta, out, a, total)
+
+            self._run(f"{where}: get bytes {a}-{b - 1}", one)
+            self._count(parts_downloaded=1)
+
+        self._parallel(fetch, -(-(end - rest) // part))
+        return buf  # type: ignore[return-value]  # bytes-like; bytes(buf) would double the peak
