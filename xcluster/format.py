@@ -238,7 +238,7 @@ def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
         raise FormatError(f"{where}: {len(data)} bytes is over the {limit}-byte limit")
     try:
         obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FormatError(f"{where}: not valid JSON ({exc}); the object is corrupt or not xcluster's") from exc
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: top level must be a JSON object")
@@ -260,11 +260,12 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     base_mh = _str(obj, "base_manifest_xxh3_128", where, pattern=_HEX128, null=True)
     keyframe_version = _int(obj, "keyframe_version", where, lo=1)
     if kind == KEYFRAME:
-        if base_version is not None or keyframe_version != version:
-            raise FormatError(f"{where}: a keyframe has no base and is its own keyframe_version")
+        if base_version is not None or base_digest is not None or base_mh is not None \
+                or keyframe_version != version:
+            raise FormatError(f"{where}: a keyframe has no base (base_* null) and is its own keyframe_version")
     else:
-        if base_version is None or base_digest is None or base_mh is None or not base_version < version:
-            raise FormatError(f"{where}: a delta needs base_version < version, base_model_digest and "
+        if base_version != version - 1 or base_digest is None or base_mh is None:
+            raise FormatError(f"{where}: a delta needs base_version = version - 1, base_model_digest and "
                               "base_manifest_xxh3_128")
         if not keyframe_version <= base_version:
             raise FormatError(f"{where}: keyframe_version must be <= base_version")
@@ -282,7 +283,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         dtype = _str(t, "dtype", tw, choices=DTYPE_NAMES)
         shape = t.get("shape")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or any(type(s) is not int or s < 0 or s > MAX_TENSOR_ELEMENTS for s in shape)):
+                or any(type(s) is not int or s < 0 or s > MAX_VERSION for s in shape)):
             raise FormatError(f"{tw} ({name}): shape {shape!r} is not a list of at most {MAX_DIMS} "
                               "non-negative integers")
         if math.prod(shape) > MAX_TENSOR_ELEMENTS:
@@ -307,7 +308,8 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
 
     blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
     _check_coverage(where, tensors, blocks)
-    changed = _int(obj, "changed_elements", where, hi=MAX_TENSOR_ELEMENTS * 64)
+    _check_tiling(where, chunks, blocks)
+    changed = _int(obj, "changed_elements", where)
     return Manifest(version=version, kind=kind, base_version=base_version, base_model_digest=base_digest,
                     base_manifest_xxh3_128=base_mh, keyframe_version=keyframe_version,
                     step=_int(obj, "step", where, null=True),
@@ -370,11 +372,31 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
             raise FormatError(f"{bw}: stream {k} declares {s.raw} decoded bytes, its segments need {e}")
         if s.codec == "raw" and s.stored != s.raw:
             raise FormatError(f"{bw}: raw stream {k} stores {s.stored} bytes for {s.raw}")
+        if s.stored > s.raw:
+            raise FormatError(f"{bw}: stream {k} stores {s.stored} bytes for {s.raw} decoded: writers store "
+                              "a stream raw when zstd does not make it smaller")
     end = offset + sum(s.stored for s in streams)
     if end > chunks[chunk].size:
         raise FormatError(f"{bw}: bytes [{offset}, {end}) run past chunk {chunks[chunk].name} "
                           f"({chunks[chunk].size} bytes)")
     return BlockEntry(chunk, offset, encoding, width, tuple(streams), tuple(segments))
+
+
+def _check_tiling(where: str, chunks: list[ChunkEntry], blocks: list[BlockEntry]) -> None:
+    """The blocks of each chunk lie back to back from offset 0 to its end: no gaps, no overlap,
+    no unreferenced bytes or chunks (so what is fetched is bounded by what is decoded)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b in blocks:
+        spans.setdefault(b.chunk, []).append((b.offset, b.offset + b.stored))
+    for i, c in enumerate(chunks):
+        pos = 0
+        for a, e in sorted(spans.get(i, [])):
+            if a != pos:
+                raise FormatError(f"{where}: chunk {c.name} has a gap or overlap at byte {pos}")
+            pos = e
+        if pos != c.size:
+            raise FormatError(f"{where}: blocks cover {pos} bytes of chunk {c.name} ({c.size} bytes): every "
+                              "chunk byte belongs to exactly one block")
 
 
 def _check_coverage(where: str, tensors: list[TensorEntry], blocks: list[BlockEntry]) -> None:

@@ -9,7 +9,7 @@ deletes what it left behind.
 from __future__ import annotations
 
 import logging
-import re
+import numbers
 import secrets
 import threading
 import time
@@ -22,13 +22,14 @@ import torch
 from .codec.encode import CodecConfig, apply_update, encode_version
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
-from .errors import ConfigError, ConcurrentPublisherError, ObjectNotFoundError, PreconditionFailedError
-from .format import (DELTA, HEAD_KEY, KEYFRAME, ChunkEntry, Head, Manifest, check_tensor_name, chunk_key,
-                     manifest_key, parse_head, xxh3_128)
+from .errors import (ConfigError, ConcurrentPublisherError, ObjectNotFoundError, PreconditionFailedError,
+                     XclusterError)
+from .format import (DELTA, HEAD_KEY, KEYFRAME, MAX_MANIFEST_BYTES, ChunkEntry, Head, Manifest, check_tensor_name,
+                     chunk_key, manifest_key, parse_head, parse_manifest, version_dir, xxh3_128)
 from .store import Store, open_store
 
 log = logging.getLogger(__name__)
-_VERSION_DIR = re.compile(r"versions/(\d{12})/")
+MAX_STEP = (1 << 53) - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,15 +44,18 @@ class PublisherConfig:
     max_inflight_chunks: int = 4
     """Encoded chunks held in memory waiting for upload; bounds memory at about
     ``max_inflight_chunks × codec.chunk_bytes``."""
-    clean_uncommitted: bool = True
-    """On start, delete versions newer than HEAD: leftovers of a publisher that died mid-commit.
-    Turn off only if another process might be committing to this prefix right now."""
+    orphan_grace_s: float = 30.0
+    """A manifest above HEAD older than this is taken for the leftover of a publisher that died
+    between writing it and moving HEAD (a live one does both within a request or two), and is
+    replaced. Younger ones mean another publisher is committing: ConcurrentPublisherError."""
 
     def __post_init__(self) -> None:
         if self.keyframe_every < 1:
             raise ConfigError(f"keyframe_every must be >= 1, got {self.keyframe_every}")
         if self.upload_workers < 1 or self.max_inflight_chunks < 1:
             raise ConfigError("upload_workers and max_inflight_chunks must be >= 1")
+        if self.orphan_grace_s < 0:
+            raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ def prepare_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
         dtype_name(t.dtype)
         t = t.detach()
+        if t.dtype == torch.bool:  # a bool byte other than 0/1 (a view of uint8) would not survive a copy
+            t = t.view(torch.uint8).ne(0) if t.numel() else t
         if t.device.type != "cpu":
             t = t.cpu()
         if t.is_sparse or t.layout != torch.strided:
@@ -96,7 +102,11 @@ def prepare_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 class Publisher:
-    """Publishes versions of a model's weights to ``url`` (a path or fsspec/s3 URL)."""
+    """Publishes versions of a model's weights to ``url`` (a path or fsspec/s3 URL).
+
+    One publisher per prefix. A second one is detected by the conditional writes and refused
+    with :class:`ConcurrentPublisherError`; neither can damage what the other committed.
+    """
 
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: PublisherConfig | None = None, clock: Callable[[], float] = time.time,
@@ -115,9 +125,8 @@ class Publisher:
         self._base_manifest_hash: str | None = None
         self._keyframe_version = 0
         self._since_keyframe = 0
+        self._unsure: tuple[int, str] | None = None  # (version, manifest hash) whose HEAD write may have landed
         self._head_version, self._head_etag = self._read_head()
-        if self.config.clean_uncommitted:
-            self._clean_uncommitted()
 
     @property
     def version(self) -> int:
@@ -125,21 +134,16 @@ class Publisher:
         return self._head_version
 
     def _read_head(self) -> tuple[int, str | None]:
+        head, etag = self._read_head_full()
+        return (head.version if head else 0), etag
+
+    def _read_head_full(self) -> tuple[Head | None, str | None]:
         try:
             blob = self.store.get(HEAD_KEY)
         except ObjectNotFoundError:
-            return 0, None
+            return None, None
         assert blob is not None
-        return parse_head(blob.data, where=f"{self.store.url}/{HEAD_KEY}").version, blob.etag
-
-    def _clean_uncommitted(self) -> None:
-        stale = [k for k in self.store.list("versions/")
-                 if (m := _VERSION_DIR.match(k)) and int(m.group(1)) > self._head_version]
-        for key in stale:
-            self.store.delete(key)
-        if stale:
-            log.warning("deleted %d objects of uncommitted versions above HEAD=%d in %s",
-                        len(stale), self._head_version, self.store.url)
+        return parse_head(blob.data, where=f"{self.store.url}/{HEAD_KEY}"), blob.etag
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
                 keyframe: bool | None = None) -> PublishResult:
@@ -148,13 +152,18 @@ class Publisher:
         ``keyframe=True`` forces a keyframe (e.g. after a subscriber reported a bad apply).
         On failure nothing becomes visible and the next call retries the same version number.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
+                                 or not 0 <= int(step) <= MAX_STEP):
+            raise ConfigError(f"step must be an integer in [0, 2**53-1] or None, got {step!r}")
         with self._lock:
-            return self._publish(state_dict, step, keyframe)
+            return self._publish(state_dict, None if step is None else int(step), keyframe)
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()
         cfg = self.config
         new = prepare_state(state_dict)
+        if self._unsure is not None:  # the last HEAD write may or may not have landed: look again
+            self._head_version, self._head_etag = self._read_head()
         names = sorted(new)
         with ThreadPoolExecutor(max_workers=cfg.codec.workers) as pool:
             digests = dict(zip(names, pool.map(lambda n: tensor_digest(new[n]), names)))
@@ -163,6 +172,7 @@ class Publisher:
         is_key = (self._base is None or force_keyframe is True
                   or (force_keyframe is None and self._since_keyframe + 1 >= cfg.keyframe_every))
         written: list[str] = []
+        keep_objects = False
         try:
             encoded, uploaded = self._encode_and_upload(version, new, digests, None if is_key else self._base, written)
             manifest = Manifest(
@@ -175,13 +185,9 @@ class Publisher:
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
                 changed_elements=encoded.changed_elements)
             mbytes = manifest.to_bytes()
+            parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
-            try:
-                self.store.put(manifest_key(version), mbytes, if_none_match=True)
-            except PreconditionFailedError as exc:
-                raise ConcurrentPublisherError(
-                    f"{self.store.url}/{manifest_key(version)} already exists: another publisher is writing "
-                    "to this prefix; run one publisher per prefix") from exc
+            self._create_manifest(version, mbytes)
             written.append(manifest_key(version))
             committed = self._clock()
             head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
@@ -195,14 +201,17 @@ class Publisher:
                 raise ConcurrentPublisherError(
                     f"{self.store.url}/{HEAD_KEY} moved under this publisher (expected version "
                     f"{self._head_version}): another publisher committed to this prefix") from exc
+            except Exception:
+                etag = self._head_landed(version, mhash)  # a timeout does not say the write failed
+                if etag is None:
+                    keep_objects = self._unsure is not None
+                    raise
         except BaseException:
-            for key in written:
-                try:
-                    self.store.delete(key)
-                except Exception:  # best effort: the next publisher's start-up cleans the rest
-                    log.warning("could not delete %s after a failed publish", key, exc_info=True)
+            if not keep_objects:
+                self._delete(written)
             raise
         # committed: advance our view and bring the private base up to date
+        self._unsure = None
         self._head_version, self._head_etag = version, etag
         if is_key:
             self._base = {n: t.clone() for n, t in new.items()}
@@ -212,11 +221,79 @@ class Publisher:
             apply_update(self._base, new, encoded.update)
             self._since_keyframe += 1
         self._base_model_digest, self._base_manifest_hash = mdigest, mhash
+        self._sweep(version, {manifest_key(version)} | {chunk_key(version, c.name) for c in manifest.chunks})
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,
             model_bytes=manifest.model_bytes, bytes_written=uploaded + len(mbytes) + len(head),
             publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest)
+
+    # --- commit helpers -----------------------------------------------------------------------
+    def _create_manifest(self, version: int, mbytes: bytes) -> None:
+        """Create-once write of the manifest; an orphan left by a dead publisher is replaced."""
+        key = manifest_key(version)
+        for attempt in range(2):
+            try:
+                self.store.put(key, mbytes, if_none_match=True)
+                return
+            except PreconditionFailedError as exc:
+                if attempt or not self._is_orphan(version):
+                    raise ConcurrentPublisherError(
+                        f"{self.store.url}/{key} already exists and is not an orphan: another publisher is "
+                        "committing to this prefix; run one publisher per prefix") from exc
+                log.warning("replacing %s/%s, left uncommitted by a publisher that died", self.store.url, key)
+                self.store.delete(key)
+
+    def _is_orphan(self, version: int) -> bool:
+        """Is the existing manifest of ``version`` dead: still above HEAD, and ours from an
+        uncertain attempt, unreadable, or older than ``orphan_grace_s``?"""
+        if self._read_head()[0] >= version:
+            return False
+        try:
+            data = self.store.get_range(manifest_key(version), 0, MAX_MANIFEST_BYTES + 1)
+        except ObjectNotFoundError:
+            return True
+        if self._unsure == (version, xxh3_128(data)):
+            return True
+        try:
+            created = parse_manifest(data).created_unix_ms / 1000
+        except XclusterError:
+            return True  # no live publisher writes a manifest that does not parse
+        return self._clock() - created > self.config.orphan_grace_s
+
+    def _head_landed(self, version: int, mhash: str) -> str | None:
+        """After a HEAD write failed without a verdict: the new etag if it landed, else None.
+        Leaves ``_unsure`` set when HEAD cannot be read either."""
+        try:
+            head, etag = self._read_head_full()
+        except Exception:
+            log.warning("HEAD write for version %d failed and HEAD cannot be read: outcome unknown", version)
+            self._unsure, self._base = (version, mhash), None  # next publish: re-read HEAD, keyframe
+            return None
+        if head is not None and head.version == version and head.manifest_xxh3_128 == mhash:
+            log.warning("HEAD write for version %d reported failure but landed", version)
+            return etag
+        self._unsure = None
+        return None
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except Exception:  # best effort: the orphan rules clean the rest
+                log.warning("could not delete %s after a failed publish", key, exc_info=True)
+
+    def _sweep(self, version: int, keep: set[str]) -> None:
+        """Delete objects under the committed version's directory that its manifest does not name:
+        chunks of earlier failed attempts at this version number."""
+        try:
+            stale = [k for k in self.store.list(version_dir(version) + "/") if k not in keep]
+        except Exception:
+            log.warning("could not list %s to sweep old attempts", version_dir(version), exc_info=True)
+            return
+        if stale:
+            log.info("deleting %d objects of failed attempts at version %d", len(stale), version)
+            self._delete(stale)
 
     def _encode_and_upload(self, version, new, digests, base, written: list[str]):
         cfg = self.config

@@ -12,15 +12,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from .codec.decode import Fill, Patch, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
-from .dtypes import torch_dtype
-from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DigestMismatchError,
+from .dtypes import np_bits, torch_dtype
+from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
+                     DigestMismatchError,
                      FormatError, IntegrityError, ObjectNotFoundError, TruncatedObjectError)
 from .format import (HEAD_KEY, INIT_BASE, KEYFRAME, MAX_MANIFEST_BYTES, Head, Manifest, chunk_key, manifest_key,
                      parse_head, parse_manifest, xxh3_128)
@@ -122,10 +123,11 @@ class Subscriber:
             target, expect = head.version, head.manifest_xxh3_128
             if until is not None and until < head.version:
                 target, expect = until, self._hash_of(until, head)
+            if target == self.version and expect == self._manifest_hash:
+                return self.version
             if self.version is not None and target < self.version:
                 raise ConfigError(f"this subscriber holds version {self.version}; it cannot go back to {target}")
-            if target == self.version:
-                return self.version
+            # (same number, other manifest: the prefix was re-published; the walk back finds out)
             for manifest, mhash in self._plan(target, expect):
                 self._apply(manifest, mhash)
             return self.version
@@ -139,11 +141,9 @@ class Subscriber:
             if m.kind == KEYFRAME:
                 key = manifest_key(version)
                 try:
-                    blob = self.store.get(key)
+                    return xxh3_128(self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1))
                 except ObjectNotFoundError:
                     raise ChainBrokenError(f"{self.store.url}/{key} does not exist") from None
-                assert blob is not None
-                return xxh3_128(blob.data)
             assert m.base_version is not None and m.base_manifest_xxh3_128 is not None
             v, expect = m.base_version, m.base_manifest_xxh3_128
         if v != version:
@@ -244,19 +244,27 @@ class Subscriber:
                 def run_block(bi: int) -> None:
                     b = m.blocks[bi]
                     ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}")
-                    for op in ops:
+                    for op in ops:  # decoded and bounds-checked whole before any of it is applied
                         tgt = target[op.tensor]
                         if isinstance(op, Fill):
                             fill(tgt, op)
                         else:
+                            patch(tgt, op)
                             with plock:
                                 applied.append((tgt, op))
-                            patch(tgt, op)
 
                 for b in m.blocks:
                     touched.update(s.tensor for s in b.segments)
-                list(pool.map(run_block, range(len(m.blocks))))
+                # every block runs to its end (done or failed) before we judge, so nothing is
+                # still patching while a failure is being undone
+                futures = [pool.submit(run_block, bi) for bi in range(len(m.blocks))]
+                wait(futures)
+                for f in futures:
+                    f.result()
                 del chunks
+                for i, t in enumerate(m.tensors):
+                    if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
+                        raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")
                 # verify: hash what changed; what did not change keeps the digest we verified before
                 idx = sorted(touched | {i for i, t in enumerate(m.tensors) if t.init != INIT_BASE})
                 for i, got in zip(idx, pool.map(lambda i: tensor_digest(target[i]), idx)):

@@ -178,7 +178,8 @@ def test_zstd_frame_larger_than_declared_is_a_bomb(env):
     store, _, sub = env
     before = sub.model_digest
     m = json.loads(store.get(manifest_key(2)).data)
-    blk = m["blocks"][0]
+    bi = max(range(len(m["blocks"])), key=lambda i: m["blocks"][i]["streams"][0][2])
+    blk = m["blocks"][bi]
     codec, stored, raw = blk["streams"][0]
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (raw * 100))
     key = chunk_key(2, m["chunks"][blk["chunk"]]["name"])
@@ -188,9 +189,9 @@ def test_zstd_frame_larger_than_declared_is_a_bomb(env):
     store.put(key, new)
 
     def fix(o):
-        o["blocks"][0]["streams"][0] = ["zstd", len(bomb), raw]
+        o["blocks"][bi]["streams"][0] = ["zstd", len(bomb), raw]
         delta = len(bomb) - stored
-        for other in o["blocks"][1:]:
+        for other in o["blocks"]:
             if other["chunk"] == blk["chunk"] and other["offset"] > off:
                 other["offset"] += delta
         o["chunks"][blk["chunk"]]["size"] = len(new)
@@ -298,3 +299,95 @@ def test_persistently_corrupt_delta_recovers_at_next_keyframe(tmp_path):
     pub.publish(weights(3))  # v4 keyframe: the chain restarts past the corruption
     assert sub.sync() == 4
     assert_state_equal(sub.state_dict(), weights(3))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failing_block_after_applied_blocks_is_fully_undone(tmp_path, workers):
+    """One block fails to decode while others were already patched in place: all undone."""
+    from xcluster import CodecConfig, SubscriberConfig
+
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(
+        keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=1 << 20, dense_threshold=0.05)))
+    sub = Subscriber(store=store, config=SubscriberConfig(decode_workers=workers))
+    g = torch.Generator().manual_seed(9)
+    w0 = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
+    w1 = w0.clone()
+    bits = w1.view(torch.int16).reshape(-1)
+    bits[: 32 * 1024] += 1        # dense ranges: many dense-sub blocks
+    bits[32 * 1024::97] += 1      # then sparse ranges
+    pub.publish({"w": w0})
+    sub.sync()
+    pub.publish({"w": w1})
+
+    def break_last_sparse(o):
+        sparse = [b for b in o["blocks"] if b["encoding"] == "sparse-sub"]
+        assert len([b for b in o["blocks"] if b["encoding"] == "dense-sub"]) >= 2 and sparse
+        seg = sparse[-1]["segments"][-1]
+        seg[2] = seg[3]  # its last position now lies outside the segment
+    rewrite_manifest(store, 2, break_last_sparse)
+    with pytest.raises(DecodeError):
+        sub.sync()
+    assert sub.version == 1
+    assert_state_equal(sub.state_dict(), {"w": w0})
+    from xcluster.digest import model_digest
+    assert model_digest(sub.state_dict()) == sub.model_digest
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda o: o.__setitem__("base_version", 0),  # a delta's base is always version - 1
+    lambda o: o["chunks"].append({"name": "cextra-000009.xc", "size": 8, "xxh3_128": "0" * 32}),  # unreferenced
+    lambda o: o["chunks"][0].__setitem__("size", o["chunks"][0]["size"] + 1),  # bytes no block covers
+])
+def test_manifest_structure_rules(env, mutate):
+    store, _, sub = env
+    before = sub.model_digest
+    rewrite_manifest(store, 2, mutate)
+    with pytest.raises(FormatError):
+        sub.sync()
+    assert_untouched(sub, before)
+
+
+def test_deeply_nested_json_is_a_format_error():
+    from xcluster.format import parse_head
+    with pytest.raises(FormatError):
+        parse_manifest(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(FormatError):
+        parse_head(b"[" * 30_000 + b"]" * 30_000)
+
+
+def test_hostile_bool_bytes_are_refused(env):
+    store, pub, sub = env
+    sub.sync()
+    pub.publish(dict(weights(1), flags=torch.tensor([True, False, True])))  # v3: a new tensor
+    pub.publish(dict(weights(1), flags=torch.tensor([True, True, True])))   # v4: flags patched
+    assert sub.sync() == 4
+    before = sub.model_digest
+    pub.publish(dict(weights(1), flags=torch.tensor([False, True, True])))  # v5
+    # a writer with bucket access rewrites v5's flags patch to turn byte 0 from 1 into 2, with
+    # digests that agree: only the bool rule can catch it
+    import numpy as np
+    from xcluster.digest import model_digest_from, tensor_digest
+    m = json.loads(store.get(manifest_key(5)).data)
+    fi = [t["name"] for t in m["tensors"]].index("flags")
+    blk = next(b for b in m["blocks"] if any(s[0] == fi for s in b["segments"]))
+    assert blk["width"] == 1
+    bad = torch.tensor([2, 1, 1], dtype=torch.uint8)
+    # the block becomes sparse-sub: one change at position 0 by zigzag(+1) = 2 (1 -> 2)
+    streams = [np.array([0], np.uint8)] * 4 + [np.array([2], np.uint8)]
+    payload = b"".join(bytes(s) for s in streams)
+    key = chunk_key(5, m["chunks"][blk["chunk"]]["name"])
+    assert len(m["blocks"]) == 1 and len(blk["segments"]) == 1
+    blk.update(encoding="sparse-sub", offset=0, streams=[["raw", 1, 1]] * 5, segments=[[fi, 0, 3, 1]])
+    store.put(key, payload)
+    m["chunks"][blk["chunk"]].update(size=len(payload), xxh3_128=xxh3_128(payload))
+    flags_digest = tensor_digest(bad.view(torch.bool))
+    for t in m["tensors"]:
+        if t["name"] == "flags":
+            t["digest"] = flags_digest
+    m["model_digest"] = model_digest_from((t["name"], t["dtype"], t["shape"], t["digest"]) for t in m["tensors"])
+    rewrite_manifest(store, 5, lambda o: (o.clear(), o.update(m)))
+    with pytest.raises(DecodeError, match="bool"):
+        sub.sync()
+    assert sub.version == 4 and sub.model_digest == before
+    assert sub.state_dict()["flags"].tolist() == [True, True, True]

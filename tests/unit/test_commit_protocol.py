@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def test_crash_mid_commit_leaves_nothing_visible(tmp_path, fail_on):
     assert_state_equal(sub.state_dict(), weights(1))
 
 
-def test_killed_publisher_leftovers_are_cleaned_by_the_next(tmp_path):
+def test_killed_publisher_leftovers_are_replaced_by_the_next(tmp_path):
     store = LocalStore(tmp_path)
     Publisher(store=store).publish(weights(0))
     # a publisher that died after uploading chunks and the manifest, before HEAD
@@ -79,15 +81,34 @@ def test_killed_publisher_leftovers_are_cleaned_by_the_next(tmp_path):
     sub = Subscriber(store=store)
     assert sub.sync() == 1  # the orphan is invisible
     pub = Publisher(store=store)
-    assert store.list("versions/000000000002/") == []
-    assert pub.publish(weights(1)).version == 2
+    res = pub.publish(weights(1))
+    assert res.version == 2
     assert sub.sync() == 2
+    m = parse_manifest(store.get(manifest_key(2)).data)
+    assert sorted(store.list("versions/000000000002/")) == sorted(
+        ["versions/000000000002/manifest.json"] + [f"versions/000000000002/{c.name}" for c in m.chunks])
+
+
+def test_a_fresh_uncommitted_manifest_is_respected_an_old_one_replaced(tmp_path):
+    store = LocalStore(tmp_path)
+    now = [1000.0]
+    a = Publisher(store=store, clock=lambda: now[0])
+    a.publish(weights(0))
+    # a live publisher has just written manifest 2 and is about to move HEAD
+    manifest_v2 = dict(json.loads(store.get(manifest_key(1)).data), version=2, keyframe_version=2)
+    store.put(manifest_key(2), json.dumps(manifest_v2).encode())
+    with pytest.raises(ConcurrentPublisherError, match="not an orphan"):
+        a.publish(weights(1))
+    assert store.get(manifest_key(2)).data == json.dumps(manifest_v2).encode()  # untouched
+    now[0] += 3600  # an hour later nobody moved HEAD: it was a dead publisher's
+    assert a.publish(weights(1)).version == 2
+    assert Subscriber(store=store).sync() == 2
 
 
 def test_two_publishers_cannot_both_commit(tmp_path):
     store = LocalStore(tmp_path)
     a = Publisher(store=store)
-    b = Publisher(store=store, config=PublisherConfig(clean_uncommitted=False))
+    b = Publisher(store=store)
     a.publish(weights(0))
     with pytest.raises(ConcurrentPublisherError):
         b.publish(weights(5))
@@ -95,6 +116,59 @@ def test_two_publishers_cannot_both_commit(tmp_path):
     sub = Subscriber(store=store)
     sub.sync()
     assert sub.model_digest == model_digest(weights(0))
+    assert a.publish(weights(1)).version == 2  # the first one carries on, unharmed
+    assert sub.sync() == 2
+
+
+class LandedButFailed:
+    """HEAD writes land, then report a failure (a timeout after the server applied it)."""
+
+    def __init__(self, inner, *, head_readable=True):
+        self.inner, self.url, self.fail, self.head_readable = inner, inner.url, False, head_readable
+
+    def put(self, key, data, **kw):
+        etag = self.inner.put(key, data, **kw)
+        if self.fail and key == HEAD_KEY:
+            raise StoreError("injected: timed out after the write")
+        return etag
+
+    def get(self, key, **kw):
+        if self.fail and not self.head_readable and key == HEAD_KEY:
+            raise StoreError("injected: HEAD unreadable")
+        return self.inner.get(key, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_head_write_that_landed_despite_an_error_counts_as_committed(tmp_path):
+    store = LocalStore(tmp_path)
+    flaky = LandedButFailed(store)
+    pub = Publisher(store=flaky, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    flaky.fail = True
+    res = pub.publish(weights(1))  # no exception: HEAD was re-read and names this attempt
+    assert res.version == 2
+    sub = Subscriber(store=store)
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), weights(1))
+
+
+def test_unknown_head_outcome_keeps_objects_and_recovers(tmp_path):
+    store = LocalStore(tmp_path)
+    flaky = LandedButFailed(store, head_readable=False)
+    pub = Publisher(store=flaky, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    flaky.fail = True
+    with pytest.raises(StoreError, match="injected"):
+        pub.publish(weights(1))
+    sub = Subscriber(store=store)
+    assert sub.sync() == 2  # it had landed: nothing of it was deleted
+    flaky.fail = False
+    res = pub.publish(weights(2))  # re-reads HEAD, carries on as a keyframe
+    assert (res.version, res.kind) == (3, "keyframe")
+    assert sub.sync() == 3
+    assert_state_equal(sub.state_dict(), weights(2))
 
 
 def test_new_subscriber_starts_from_newest_keyframe(tmp_path):

@@ -125,3 +125,32 @@ def test_keyframe_boundaries_and_late_joiner():
         cur = {"w": perturb(cur["w"], 0.02, gen)}
         versions.append(cur)
     roundtrip(versions, keyframe_every=3)
+
+
+def test_tensor_through_empty_shape_and_back():
+    roundtrip([{"x": torch.arange(4.0)}, {"x": torch.zeros(0)}, {"x": torch.arange(4.0) + 1},
+               {"x": torch.zeros(0, dtype=torch.float64)}, {"x": torch.zeros(0)}, {"x": torch.ones(4)}])
+
+
+def test_bool_views_with_odd_bytes_are_canonical():
+    store = memory_store()
+    pub, sub = Publisher(store=store), Subscriber(store=store)
+    for raw in ([0, 1, 2, 255], [1, 0, 7, 0], [1, 0, 1, 0]):
+        pub.publish({"b": torch.tensor(raw, dtype=torch.uint8).view(torch.bool)})
+        sub.sync()
+        got = sub.state_dict()["b"]
+        assert got.view(torch.uint8).tolist() == [int(x != 0) for x in raw]
+
+
+def test_publish_rejects_bad_steps_and_configs():
+    from xcluster.errors import ConfigError
+
+    pub = Publisher(store=memory_store())
+    for bad in (-1, True, 2**60, 1.5, "3"):
+        with pytest.raises(ConfigError):
+            pub.publish({"w": torch.zeros(2)}, step=bad)
+    assert pub.version == 0
+    with pytest.raises(ConfigError):
+        CodecConfig(block_bytes=1 << 32)
+    with pytest.raises(ConfigError):
+        CodecConfig(chunk_bytes=1 << 40)

@@ -40,8 +40,12 @@ class CodecConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in 1..22, got {self.zstd_level}")
-        if self.block_bytes < 4096:
-            raise ConfigError(f"block_bytes must be >= 4096, got {self.block_bytes}")
+        if not 4096 <= self.block_bytes <= 1 << 30:
+            raise ConfigError(f"block_bytes must be in [4096, 2**30] (a segment holds at most 2**31 elements), "
+                              f"got {self.block_bytes}")
+        if self.chunk_bytes > 1 << 34:
+            raise ConfigError(f"chunk_bytes must be <= 2**34 (readers accept chunks up to 2**36), "
+                              f"got {self.chunk_bytes}")
         if self.chunk_bytes < self.block_bytes:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) must be >= block_bytes ({self.block_bytes}): "
                               "a chunk holds whole blocks")
@@ -205,7 +209,7 @@ def encode_version(new: Mapping[str, torch.Tensor], digests: Mapping[str, str],
         same = old is not None and old.dtype == t.dtype and tuple(old.shape) == tuple(t.shape)
         entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), digests[name],
                                    INIT_BASE if same else INIT_NONE))
-        if not same and t.numel():
+        if not same:  # even when empty: the publisher's base must take the new dtype and shape
             update.full.append(name)
         rlen = _range_len(t.element_size(), config.block_bytes)
         ranges.extend(_Range(t_idx, name, s, min(s + rlen, t.numel()), not same) for s in range(0, t.numel(), rlen))

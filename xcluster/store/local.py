@@ -50,10 +50,12 @@ class LocalStore:
         path = self._path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
         except IsADirectoryError:
             raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object") from None
+        except OSError as exc:
+            raise StoreError(f"reading {self.url}/{key}: {exc}") from exc
         etag = _etag(data)
         if if_none_match is not None and etag == if_none_match:
             return None
@@ -66,8 +68,10 @@ class LocalStore:
             with open(self._path(key), "rb") as f:
                 f.seek(start)
                 return f.read(length)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist (or is not a file)") from None
+        except OSError as exc:
+            raise StoreError(f"reading {self.url}/{key}: {exc}") from exc
 
     def stat(self, key: str) -> Stat:
         blob = self.get(key)
@@ -118,7 +122,10 @@ class LocalStore:
         if if_match is not None and if_none_match:
             raise ValueError("if_match and if_none_match are exclusive")
         path = self._path(key)
-        tmp = self._write_temp(path, data)
+        try:
+            tmp: str | None = self._write_temp(path, data)
+        except OSError as exc:
+            raise StoreError(f"writing {self.url}/{key}: {exc}") from exc
         try:
             if if_none_match:
                 try:
@@ -142,9 +149,8 @@ class LocalStore:
                 os.replace(tmp, path)
                 tmp = None
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise StoreError(f"no space left writing {self.url}/{key}") from exc
-            raise
+            what = "no space left" if exc.errno == errno.ENOSPC else str(exc)
+            raise StoreError(f"writing {self.url}/{key}: {what}") from exc
         finally:
             if tmp is not None:
                 os.unlink(tmp)
