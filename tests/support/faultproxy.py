@@ -169,6 +169,7 @@ class FaultProxy:
     # --- one client connection ----------------------------------------------------------------
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle/delayed-ACK stalls
         with self._lock:
             self._conns.add(client)
         cf = client.makefile("rb")
@@ -196,6 +197,7 @@ class FaultProxy:
                     time.sleep(self.latency_s / 2)
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
+                    upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     uf = upstream.makefile("rb")
                     with self._lock:
                         self._conns.add(upstream)

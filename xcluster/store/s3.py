@@ -246,7 +246,7 @@ class S3Store:
         workers = min(self.config.max_concurrency, count)
         with ThreadPoolExecutor(workers, thread_name_prefix="xc-s3") as pool:
             futures = [pool.submit(tracked, i) for i in range(count)]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            wait(futures, return_when=FIRST_EXCEPTION)
             for f in futures:
                 f.cancel()
             for f in futures:
