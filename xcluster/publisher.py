@@ -30,6 +30,8 @@ from .store import Store, open_store
 
 log = logging.getLogger(__name__)
 MAX_STEP = (1 << 53) - 1
+KIND_TAG = "xcluster-kind"
+"""Object tag on every chunk and manifest: ``keyframe`` or ``delta`` (bucket lifecycle rules match it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,8 +175,10 @@ class Publisher:
                   or (force_keyframe is None and self._since_keyframe + 1 >= cfg.keyframe_every))
         written: list[str] = []
         keep_objects = False
+        tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
         try:
-            encoded, uploaded = self._encode_and_upload(version, new, digests, None if is_key else self._base, written)
+            encoded, uploaded = self._encode_and_upload(version, new, digests, None if is_key else self._base,
+                                                        written, tags)
             manifest = Manifest(
                 version=version, kind=KEYFRAME if is_key else DELTA,
                 base_version=None if is_key else self._head_version,
@@ -187,7 +191,7 @@ class Publisher:
             mbytes = manifest.to_bytes()
             parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
-            self._create_manifest(version, mbytes)
+            self._create_manifest(version, mbytes, tags)
             written.append(manifest_key(version))
             committed = self._clock()
             head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
@@ -229,12 +233,12 @@ class Publisher:
             publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest)
 
     # --- commit helpers -----------------------------------------------------------------------
-    def _create_manifest(self, version: int, mbytes: bytes) -> None:
+    def _create_manifest(self, version: int, mbytes: bytes, tags: dict[str, str]) -> None:
         """Create-once write of the manifest; an orphan left by a dead publisher is replaced."""
         key = manifest_key(version)
         for attempt in range(2):
             try:
-                self.store.put(key, mbytes, if_none_match=True)
+                self.store.put(key, mbytes, if_none_match=True, tags=tags)
                 return
             except PreconditionFailedError as exc:
                 if attempt or not self._is_orphan(version):
@@ -295,7 +299,7 @@ class Publisher:
             log.info("deleting %d objects of failed attempts at version %d", len(stale), version)
             self._delete(stale)
 
-    def _encode_and_upload(self, version, new, digests, base, written: list[str]):
+    def _encode_and_upload(self, version, new, digests, base, written: list[str], tags: dict[str, str]):
         cfg = self.config
         # Chunk names are unique to this attempt, so a publisher that loses the race for a
         # version number (or retries one) never overwrites or deletes another attempt's chunks.
@@ -307,7 +311,7 @@ class Publisher:
         with ThreadPoolExecutor(max_workers=cfg.upload_workers, thread_name_prefix="xc-upload") as pool:
             def upload(key: str, data: bytes) -> None:
                 try:
-                    self.store.put(key, data)
+                    self.store.put(key, data, tags=tags)
                 finally:
                     slots.release()
 

@@ -267,3 +267,27 @@ def test_aws_cli_sees_a_sane_layout(seaweedfs, tmp_path):
     subprocess.run(aws + ["s3", "cp", f"{store.url}/versions/000000000007/keyframe.xc",
                           str(tmp_path / "kf")], check=True, capture_output=True)
     assert (tmp_path / "kf").read_bytes() == objects["versions/000000000007/keyframe.xc"]
+
+
+def test_publisher_tags_objects_for_lifecycle_rules(s3_server):
+    """Chunks and manifests carry xcluster-kind=keyframe|delta, the tag terraform's lifecycle
+    rules expire by; a multipart chunk too."""
+    import torch
+
+    from xcluster import CodecConfig, Publisher, PublisherConfig
+
+    store = s3_server.store()
+    pub = Publisher(store=store, config=PublisherConfig(
+        keyframe_every=100, codec=CodecConfig(block_bytes=8 * MiB, chunk_bytes=40 * MiB)))
+    w = torch.randn(3 * MiB)
+    pub.publish({"w": w, "big": torch.randn(10 * MiB)})  # 52 MiB of fp32: a chunk above the multipart threshold
+    w2 = w.clone()
+    w2[::1000] += 1
+    pub.publish({"w": w2, "big": torch.zeros(0)})
+    client = s3_server.client()
+    kinds = {}
+    for key in store.list("versions/"):
+        tagset = client.get_object_tagging(Bucket=store.bucket, Key=store._full(key))["TagSet"]
+        kinds[key] = {t["Key"]: t["Value"] for t in tagset}.get("xcluster-kind")
+    assert kinds and all(v == ("keyframe" if "/000000000001/" in k else "delta") for k, v in kinds.items()), kinds
+    assert store.stats.multipart_uploads >= 1

@@ -8,6 +8,7 @@ Keys are relative to the store's root (its URL). They are ``/``-separated, made 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -66,11 +67,13 @@ class Store(Protocol):
         ...
 
     def put(self, key: str, data: bytes | memoryview, *, if_match: str | None = None,
-            if_none_match: bool = False) -> str:
+            if_none_match: bool = False, tags: Mapping[str, str] | None = None) -> str:
         """Write an object and return its new etag.
 
         ``if_none_match=True``: succeed only if the key does not exist (create-once).
         ``if_match=etag``: succeed only if the object's current etag is ``etag`` (compare-and-swap).
+        ``tags``: object tags for the store's lifecycle rules (S3 object tagging); backends without
+        tags ignore them.
         """
         ...
 

@@ -10,6 +10,7 @@ enforces. ETags are the xxh3-64 of the content.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import fsspec
 import xxhash
@@ -74,7 +75,8 @@ class FsspecStore:
         return sorted(keys)
 
     def put(self, key: str, data: bytes | memoryview, *, if_match: str | None = None,
-            if_none_match: bool = False) -> str:
+            if_none_match: bool = False, tags: Mapping[str, str] | None = None) -> str:
+        del tags  # fsspec has no portable object tagging
         if if_match is not None and if_none_match:
             raise ValueError("if_match and if_none_match are exclusive")
         path = self._path(key)

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import tempfile
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,7 +119,8 @@ class LocalStore:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def put(self, key: str, data: bytes | memoryview, *, if_match: str | None = None,
-            if_none_match: bool = False) -> str:
+            if_none_match: bool = False, tags: Mapping[str, str] | None = None) -> str:
+        del tags  # a directory has no lifecycle rules
         if if_match is not None and if_none_match:
             raise ValueError("if_match and if_none_match are exclusive")
         path = self._path(key)

@@ -28,7 +28,8 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from urllib.parse import urlencode
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -334,8 +335,9 @@ class S3Store:
 
     # --- writes -------------------------------------------------------------------------------
     def put(self, key: str, data: bytes | memoryview, *, if_match: str | None = None,
-            if_none_match: bool = False) -> str:
+            if_none_match: bool = False, tags: Mapping[str, str] | None = None) -> str:
         full = self._full(key)
+        extra = {"Tagging": urlencode(dict(tags))} if tags else {}
         if if_match is not None and if_none_match:
             raise ValueError("if_match and if_none_match are exclusive")
         view = memoryview(data).cast("B")
@@ -354,8 +356,8 @@ class S3Store:
         retried = [False]  # set once any attempt of this put failed transiently
         try:
             if multipart:
-                return self._put_multipart(key, full, view, meta, cond, retried)
-            return self._put_single(key, full, view, data, meta, cond, retried)
+                return self._put_multipart(key, full, view, meta, cond, retried, extra)
+            return self._put_single(key, full, view, data, meta, cond, retried, extra)
         except (PreconditionFailedError, ObjectNotFoundError) as exc:
             if retried[0]:  # a lost response: did our own earlier attempt land?
                 landed = self._landed(key, write_id)
@@ -391,7 +393,7 @@ class S3Store:
         return None
 
     def _put_single(self, key: str, full: str, view: memoryview, data: Any, meta: dict,
-                    cond: dict, retried: list[bool]) -> str:
+                    cond: dict, retried: list[bool], extra: dict) -> str:
         body = data if isinstance(data, bytes) else view.tobytes()
         attempts = [0]
 
@@ -399,12 +401,12 @@ class S3Store:
             attempts[0] += 1
             retried[0] = attempts[0] > 1
             return self._client.put_object(Bucket=self.bucket, Key=full, Body=body, Metadata=meta,
-                                           **cond)["ETag"]
+                                           **cond, **extra)["ETag"]
 
         return self._run(f"{self._where(key)}: put", attempt)
 
     def _put_multipart(self, key: str, full: str, view: memoryview, meta: dict, cond: dict,
-                       retried: list[bool]) -> str:
+                       retried: list[bool], extra: dict) -> str:
         part = self.config.part_size
         count = -(-len(view) // part)
         if count > S3_MAX_PARTS:
@@ -416,7 +418,7 @@ class S3Store:
         def create() -> str:
             creates[0] += 1
             return self._client.create_multipart_upload(Bucket=self.bucket, Key=full,
-                                                        Metadata=meta)["UploadId"]
+                                                        Metadata=meta, **extra)["UploadId"]
 
         upload_id = self._run(f"{where}: create multipart upload", create)
         self._count(multipart_uploads=1)
