@@ -152,18 +152,24 @@ class Subscriber:
 
     def _read_manifest(self, version: int, expect_hash: str) -> tuple[Manifest, str]:
         key = manifest_key(version)
-        try:  # bounded read: a hostile object cannot make us allocate more than the limit
-            data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
-        except ObjectNotFoundError:
-            raise ChainBrokenError(f"{self.store.url}/{key} is missing: the chain to HEAD is broken "
-                                   "(retention removed it?); the next keyframe repairs this") from None
-        got = xxh3_128(data)
-        if got != expect_hash:
-            raise ChecksumMismatchError(f"{self.store.url}/{key} hashes to {got}, its successor says "
-                                        f"{expect_hash}: the manifest is corrupt or was replaced")
-        m = parse_manifest(data, where=f"{self.store.url}/{key}")
+        where = f"{self.store.url}/{key}"
+        for attempt in range(self.config.integrity_retries + 1):
+            try:  # bounded read: a hostile object cannot make us allocate more than the limit
+                data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
+            except ObjectNotFoundError:
+                raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
+                                       "(retention removed it?); the next keyframe repairs this") from None
+            got = xxh3_128(data)
+            if got == expect_hash:
+                break
+            log.warning("%s hashes to %s, expected %s (attempt %d of %d)", where, got, expect_hash,
+                        attempt + 1, self.config.integrity_retries + 1)
+        else:
+            raise ChecksumMismatchError(f"{where} hashes to {got}, its successor says {expect_hash}: "
+                                        "the manifest is corrupt or was replaced")
+        m = parse_manifest(data, where=where)
         if m.version != version:
-            raise FormatError(f"{self.store.url}/{key} says it is version {m.version}")
+            raise FormatError(f"{where} says it is version {m.version}")
         return m, got
 
     def _plan(self, version: int, expect: str) -> list[tuple[Manifest, str]]:
