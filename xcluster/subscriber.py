@@ -43,6 +43,9 @@ class SubscriberConfig:
     """Refuse a manifest whose weights would need more memory than this (checked before allocating)."""
     max_chain: int = 4096
     """Refuse to walk more than this many manifests back from HEAD."""
+    prefetch_next_manifest: bool = True
+    """Fetch the next version's manifest together with each HEAD poll (one GET more per poll,
+    usually a 404), so a new version is applied one round trip sooner."""
 
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
@@ -79,6 +82,8 @@ class Subscriber:
         self._manifest_hash: str | None = None
         self._head_etag: str | None = None
         self._head: Head | None = None
+        self._prefetched: tuple[int, bytes] | None = None
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xc-prefetch")
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -117,7 +122,7 @@ class Subscriber:
         """Apply every committed version up to HEAD (or up to ``until``); returns the version now
         held (None while the store is empty)."""
         with self._lock:
-            head = self.poll()
+            head = self._poll_and_prefetch()
             if head is None:
                 return self.version
             target, expect = head.version, head.manifest_xxh3_128
@@ -131,6 +136,25 @@ class Subscriber:
             for manifest, mhash in self._plan(target, expect):
                 self._apply(manifest, mhash)
             return self.version
+
+    def _poll_and_prefetch(self) -> Head | None:
+        """Poll HEAD and, at the same time, fetch the manifest of the next version if it already
+        exists: when HEAD moves to it, the manifest is in hand one round trip sooner. It is used
+        only once HEAD names it and its hash matches; until then it is nothing."""
+        self._prefetched = None
+        nxt = (self.version or 0) + 1
+        if not self.config.prefetch_next_manifest or self.version is None:
+            return self.poll()
+        pool = self._prefetch_pool
+        fut = pool.submit(self.store.get_range, manifest_key(nxt), 0, MAX_MANIFEST_BYTES + 1)
+        try:
+            head = self.poll()
+        finally:
+            try:
+                self._prefetched = (nxt, fut.result())
+            except Exception:  # not there yet (the usual case) or unreadable: fetch it normally later
+                self._prefetched = None
+        return head
 
     def _hash_of(self, version: int, head: Head) -> str:
         """The manifest hash of an older committed ``version``, from the links back from HEAD.
@@ -154,8 +178,12 @@ class Subscriber:
         key = manifest_key(version)
         where = f"{self.store.url}/{key}"
         for attempt in range(self.config.integrity_retries + 1):
+            pre, self._prefetched = self._prefetched, None
             try:  # bounded read: a hostile object cannot make us allocate more than the limit
-                data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
+                if pre is not None and pre[0] == version and attempt == 0:
+                    data = pre[1]
+                else:
+                    data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
             except ObjectNotFoundError:
                 raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
                                        "(retention removed it?); the next keyframe repairs this") from None
