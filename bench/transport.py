@@ -75,6 +75,9 @@ def op_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         blob = store.get(args.key)
         assert blob is not None and len(blob.data) == args.size
+    elif args.op == "latency":
+        print(json.dumps(_latency(store, args.poll)))
+        return
     else:  # small-object round trips: median of 20 GETs of 4 KiB
         store.put("small", os.urandom(4096))
         times = []
@@ -87,8 +90,51 @@ def op_main(args: argparse.Namespace) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0}))
 
 
+def _latency(store, poll: float, versions: int = 6) -> dict:
+    """Publisher and subscriber (polling every ``poll`` s) on one store: from HEAD committed to the
+    delta applied and verified, for 1%-density deltas of a 32 MiB bf16 model."""
+    import threading
+
+    import torch
+
+    from xcluster import Publisher, PublisherConfig, Subscriber
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(16 * MiB, generator=g) * 0.02).to(torch.bfloat16)
+    applied: dict[int, float] = {}
+    done = threading.Event()
+    sub = Subscriber(store=store, on_apply=lambda ev: applied.__setitem__(ev.version, ev.applied_unix))
+
+    def follow() -> None:
+        while not done.is_set():
+            sub.sync()
+            time.sleep(poll)
+
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000))
+    pub.publish({"w": w})
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    lat, sizes = [], []
+    for _ in range(versions):
+        w = w.clone()
+        idx = torch.randperm(w.numel(), generator=g)[: w.numel() // 100]
+        w.view(torch.int16)[idx] += 1
+        time.sleep(poll * torch.rand(1, generator=g).item())  # commit at a random phase of the poll
+        res = pub.publish({"w": w})
+        deadline = time.time() + 30
+        while res.version not in applied and time.time() < deadline:
+            time.sleep(0.001)
+        lat.append(applied[res.version] - res.committed_unix)
+        sizes.append(res.bytes_written)
+    done.set()
+    thread.join()
+    return {"seconds": statistics.median(lat), "max": max(lat), "bytes": int(statistics.median(sizes)),
+            "poll": poll}
+
+
 # --- a suite of transfers against one endpoint ----------------------------------------------------
-def suite(endpoint: str, files: dict[int, str], repeats: int) -> list[dict]:
+def suite(endpoint: str, files: dict[int, str], repeats: int, *, poll: float, rtt_s: float = 0.0,
+          link_bytes_s: float | None = None) -> list[dict]:
     env = _env(endpoint)
     py = [sys.executable, str(Path(__file__).resolve()), "op"]
     subprocess.run(["aws", "s3api", "create-bucket", "--bucket", BUCKET], env=env, check=True,
@@ -114,6 +160,13 @@ def suite(endpoint: str, files: dict[int, str], repeats: int) -> list[dict]:
     small = _timed(py + ["small", "--key", "small", "--file", "", "--size", "4096"], env)
     rows.append({"tool": "xcluster", "op": "get 4 KiB", "size": 4096, "seconds": small[0],
                  "rss_mib": small[1], "runs": 20})
+    out = subprocess.run(py + ["latency", "--key", "-", "--poll", str(poll)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    lat = json.loads(out.strip().splitlines()[-1])
+    bound = poll + 2 * rtt_s + (lat["bytes"] / link_bytes_s if link_bytes_s else 0.0)
+    rows.append({"tool": "xcluster", "op": f"delta commit → applied (median; max {lat['max'] * 1000:.0f} ms; "
+                 f"bound poll {poll * 1000:.0f} + 2 RTT + bytes/bw = {bound * 1000:.0f} ms)",
+                 "size": lat["bytes"], "seconds": lat["seconds"], "rss_mib": 0, "runs": 6})
     t = [_timed(["aws", "s3api", "head-bucket", "--bucket", BUCKET], env) for _ in range(3)]
     rows.append({"tool": "aws s3api", "op": "head-bucket (CLI start-up + 1 request)", "size": 0,
                  "seconds": min(x[0] for x in t), "rss_mib": max(x[1] for x in t), "runs": 3})
@@ -127,7 +180,8 @@ def inner_main(args: argparse.Namespace) -> None:
 
     files = json.loads(args.files)
     with FaultProxy((IP_SRV, args.port), latency_s=args.rtt_ms / 1000) as proxy:
-        rows = suite(proxy.endpoint, {int(k): v for k, v in files.items()}, args.repeats)
+        rows = suite(proxy.endpoint, {int(k): v for k, v in files.items()}, args.repeats, poll=args.poll,
+                     rtt_s=args.rtt_ms / 1000, link_bytes_s=_rate_mb_s(args.rate) * 1e6)
     print(json.dumps(rows))
 
 
@@ -171,7 +225,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd")
     op = sub.add_parser("op")
-    op.add_argument("op", choices=["put", "get", "small"])
+    op.add_argument("op", choices=["put", "get", "small", "latency"])
+    op.add_argument("--poll", type=float, default=0.05)
     op.add_argument("--key", required=True)
     op.add_argument("--file", default="")
     op.add_argument("--size", type=int, default=0)
@@ -180,12 +235,15 @@ def main() -> None:
     inner.add_argument("--files", required=True)
     inner.add_argument("--rtt-ms", type=float, default=40)
     inner.add_argument("--repeats", type=int, default=5)
+    inner.add_argument("--poll", type=float, default=0.05)
+    inner.add_argument("--rate", default="1gbit")
     ap.add_argument("--big-mib", type=int, default=1024)
     ap.add_argument("--small-mib", type=int, default=8)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--rtt-ms", type=float, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-wan", action="store_true")
+    ap.add_argument("--poll", type=float, default=0.05, help="subscriber poll interval for the latency row")
     args = ap.parse_args()
     if args.cmd == "op":
         return op_main(args)
@@ -210,7 +268,7 @@ def main() -> None:
         results = {}
         print("loopback ...", file=sys.stderr)
         with start_seaweedfs(data_root="/dev/shm") as sw:
-            results["loopback"] = suite(sw.endpoint, files, args.repeats)
+            results["loopback"] = suite(sw.endpoint, files, args.repeats, poll=args.poll)
         if not args.no_wan:
             label = f"WAN {args.rate}, +{args.rtt_ms:.0f} ms RTT"
             print(f"{label} ...", file=sys.stderr)
@@ -219,7 +277,8 @@ def main() -> None:
                 out = subprocess.run(
                     ["ip", "netns", "exec", NS_CLI, sys.executable, str(Path(__file__).resolve()),
                      "inner", "--port", str(port), "--files", json.dumps(files),
-                     "--rtt-ms", str(args.rtt_ms), "--repeats", str(args.repeats)],
+                     "--rtt-ms", str(args.rtt_ms), "--repeats", str(args.repeats), "--poll", str(args.poll),
+                     "--rate", args.rate],
                     check=True, stdout=subprocess.PIPE, text=True).stdout
                 results[label] = json.loads(out.strip().splitlines()[-1])
     print(f"\n| network | tool | op | size | time | MB/s | % of link | peak RSS |")
