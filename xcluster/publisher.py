@@ -26,7 +26,7 @@ from .errors import (ConfigError, ConcurrentPublisherError, ObjectNotFoundError,
                      XclusterError)
 from .format import (DELTA, HEAD_KEY, KEYFRAME, MAX_MANIFEST_BYTES, ChunkEntry, Head, Manifest, check_tensor_name,
                      chunk_key, manifest_key, parse_head, parse_manifest, version_dir, xxh3_128)
-from .store import Store, open_store
+from .store import Store, resolve_store
 
 log = logging.getLogger(__name__)
 MAX_STEP = (1 << 53) - 1
@@ -113,11 +113,7 @@ class Publisher:
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: PublisherConfig | None = None, clock: Callable[[], float] = time.time,
                  attempt_id: Callable[[], str] = lambda: secrets.token_hex(4)) -> None:
-        if store is None:
-            if url is None:
-                raise ConfigError("Publisher needs a url or a store")
-            store = open_store(url)
-        self.store = store
+        self.store = resolve_store(url, store, "Publisher")
         self.config = config or PublisherConfig()
         self._clock = clock
         self._attempt_id = attempt_id

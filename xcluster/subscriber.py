@@ -25,7 +25,7 @@ from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError,
                      FormatError, IntegrityError, ObjectNotFoundError, TruncatedObjectError)
 from .format import (HEAD_KEY, INIT_BASE, KEYFRAME, MAX_MANIFEST_BYTES, Head, Manifest, chunk_key, manifest_key,
                      parse_head, parse_manifest, xxh3_128)
-from .store import Store, open_store
+from .store import Store, resolve_store
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,7 @@ class Subscriber:
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: SubscriberConfig | None = None,
                  on_apply: Callable[[AppliedVersion], None] | None = None) -> None:
-        if store is None:
-            if url is None:
-                raise ConfigError("Subscriber needs a url or a store")
-            store = open_store(url)
-        self.store = store
+        self.store = resolve_store(url, store, "Subscriber")
         self.config = config or SubscriberConfig()
         self.on_apply = on_apply
         self._lock = threading.RLock()

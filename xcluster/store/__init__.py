@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedURLError
+from ..errors import ConfigError, UnsupportedURLError
 from .base import Blob, Stat, Store, check_key
 from .local import LocalStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from .s3 import S3Config
 
-__all__ = ["Blob", "Stat", "Store", "check_key", "LocalStore", "open_store"]
+__all__ = ["Blob", "Stat", "Store", "check_key", "LocalStore", "open_store", "resolve_store"]
+
+
+def resolve_store(url: str | Any | None, store: Store | None, who: str) -> Store:
+    """The store a component works on: ``store`` if given, else ``open_store(url)``."""
+    if store is not None:
+        return store
+    if url is None:
+        raise ConfigError(f"{who} needs a url or a store")
+    return open_store(url)
 
 
 def open_store(url: str | Any, *, s3: "S3Config | None" = None) -> Store:
