@@ -13,7 +13,6 @@ action: it does not use up any of ``INITIAL_NO_AUTH_ACTION_COUNT``.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from tests.support.procs import stop_process
 
 __all__ = ["start_moto_server", "TEST_CREDENTIALS"]
 
@@ -57,17 +58,6 @@ def _log_tail(log, limit: int = 4000) -> str:
     log.flush()
     log.seek(0)
     return log.read().decode("utf-8", "replace")[-limit:]
-
-
-def _stop(proc: subprocess.Popen, timeout: float) -> None:
-    if proc.poll() is not None:
-        return
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout)
 
 
 @contextmanager
@@ -111,7 +101,7 @@ def start_moto_server(
                     yield url
                     return
             finally:
-                _stop(proc, stop_timeout)
+                stop_process(proc, stop_timeout)
         raise RuntimeError(
             f"moto server exited during startup {attempt + 1} times; "
             f"its log ends with:\n{_log_tail(log)}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.procs import stop_process
 
 __all__ = ["SeaweedFS", "find_weed", "start_seaweedfs"]
 
@@ -78,17 +79,6 @@ def _answers(url: str, netns: str | None = None) -> bool:
         return True  # 403 AccessDenied to an unsigned request: the S3 gateway is up
     except OSError:
         return False
-
-
-def _stop(proc: subprocess.Popen, timeout: float) -> None:
-    if proc.poll() is not None:
-        return
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout)
 
 
 def weed_command(weed: str, data_dir: Path, s3_config: Path, host: str, ports: list[int]) -> list[str]:
@@ -150,7 +140,7 @@ def start_seaweedfs(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
                         yield SeaweedFS(endpoint, ACCESS_KEY, SECRET_KEY, proc.pid, root / "data")
                         return
                 finally:
-                    _stop(proc, stop_timeout)
+                    stop_process(proc, stop_timeout)
             log.seek(0)
             raise RuntimeError("weed mini exited during startup 3 times; log:\n"
                                f"{log.read().decode(errors='replace')[-4000:]}")
