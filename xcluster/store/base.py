@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import xxhash
+
 from ..errors import UnsafeKeyError
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
@@ -43,6 +45,17 @@ class Blob:
 class Stat:
     size: int
     etag: str
+
+
+def content_etag(data: bytes | memoryview) -> str:
+    """ETag of backends without server-side etags: the xxh3-64 of the content."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def blob_unless_match(data: bytes, if_none_match: str | None) -> Blob | None:
+    """A :class:`Blob` of ``data`` with its content etag, or None when it equals ``if_none_match``."""
+    etag = content_etag(data)
+    return None if if_none_match is not None and etag == if_none_match else Blob(data, etag)
 
 
 @runtime_checkable

@@ -13,16 +13,12 @@ import threading
 from collections.abc import Mapping
 
 import fsspec
-import xxhash
 
 from ..errors import ObjectNotFoundError, PreconditionFailedError
-from .base import Blob, Stat, check_key
+from .base import Blob, Stat, blob_unless_match, check_key, content_etag
 
 _LOCK = threading.Lock()
 
-
-def _etag(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class FsspecStore:
@@ -42,10 +38,7 @@ class FsspecStore:
 
     def get(self, key: str, *, if_none_match: str | None = None) -> Blob | None:
         data = self._read(key)
-        etag = _etag(data)
-        if if_none_match is not None and etag == if_none_match:
-            return None
-        return Blob(data, etag)
+        return blob_unless_match(data, if_none_match)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
@@ -57,7 +50,7 @@ class FsspecStore:
 
     def stat(self, key: str) -> Stat:
         data = self._read(key)
-        return Stat(len(data), _etag(data))
+        return Stat(len(data), content_etag(data))
 
     def list(self, prefix: str = "") -> list[str]:
         try:
@@ -86,7 +79,7 @@ class FsspecStore:
                     f"{self.url}/{key} already exists: another writer created it first")
             if if_match is not None:
                 try:
-                    current = _etag(self.fs.cat_file(path))
+                    current = content_etag(self.fs.cat_file(path))
                 except (FileNotFoundError, KeyError):
                     current = None
                 if current != if_match:
@@ -96,7 +89,7 @@ class FsspecStore:
             if parent:
                 self.fs.makedirs(parent, exist_ok=True)
             self.fs.pipe_file(path, bytes(data))
-        return _etag(data)
+        return content_etag(data)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

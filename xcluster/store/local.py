@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import xxhash
 
 from ..errors import ObjectNotFoundError, PreconditionFailedError, StoreError
-from .base import Blob, Stat, check_key
+from .base import Blob, Stat, blob_unless_match, check_key, content_etag
 
 _TMP_PREFIX = ".xc-tmp-"
 _UMASK = os.umask(0o022)
@@ -29,9 +28,6 @@ os.umask(_UMASK)
 def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
-
-def _etag(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class LocalStore:
@@ -57,10 +53,7 @@ class LocalStore:
             raise ObjectNotFoundError(f"{self.url}/{key} is a directory, not an object") from None
         except OSError as exc:
             raise StoreError(f"reading {self.url}/{key}: {exc}") from exc
-        etag = _etag(data)
-        if if_none_match is not None and etag == if_none_match:
-            return None
-        return Blob(data, etag)
+        return blob_unless_match(data, if_none_match)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
@@ -138,7 +131,7 @@ class LocalStore:
             elif if_match is not None:
                 with self._locked(path):
                     try:
-                        current = _etag(path.read_bytes())
+                        current = content_etag(path.read_bytes())
                     except FileNotFoundError:
                         current = None
                     if current != if_match:
@@ -162,7 +155,7 @@ class LocalStore:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        return _etag(data)
+        return content_etag(data)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
