@@ -20,7 +20,6 @@ from .base import Blob, Stat, blob_unless_match, check_key, content_etag
 _LOCK = threading.Lock()
 
 
-
 class FsspecStore:
     def __init__(self, url: str, **storage_options) -> None:
         self.url = url.rstrip("/")

@@ -29,7 +29,6 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
-
 class LocalStore:
     """A store rooted at a local directory (created if missing)."""
 
