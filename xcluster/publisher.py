@@ -183,7 +183,7 @@ class Publisher:
                 keyframe_version=version if is_key else self._keyframe_version,
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements)
+                changed_elements=encoded.changed_elements, base_manifest=None if is_key else "manifest.json")
             mbytes = manifest.to_bytes()
             parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
