@@ -86,6 +86,11 @@ class BaseMismatchError(XclusterError):
     """A delta's base version is not the subscriber's current version."""
 
 
+class RollbackError(XclusterError):
+    """HEAD names a version below the one this subscriber holds: the store went backwards
+    (rolled back, or replaced by a stale copy). The subscriber refuses and keeps what it has."""
+
+
 class ChainBrokenError(XclusterError):
     """The chain from the newest keyframe to the requested version is incomplete."""
 

@@ -220,7 +220,9 @@ def test_positions_outside_segment(env):
     assert_untouched(sub, before)
 
 
-def test_wrong_base_version(env, tmp_path):
+def test_wrong_base_version_reloads_from_the_keyframe(env, tmp_path):
+    """A subscriber holding another history at the same version number never applies a delta
+    onto it: the links back from HEAD do not reach what it holds, so it reloads from the keyframe."""
     store, pub, sub = env
     # a subscriber that holds some other history: it was following another prefix
     other = LocalStore(tmp_path / "other")
@@ -228,8 +230,29 @@ def test_wrong_base_version(env, tmp_path):
     stranger = Subscriber(store=other)
     stranger.sync()
     stranger.store = store  # now pointed at a prefix whose delta 2 builds on a different version 1
+    sub.sync()
+    assert stranger.sync() == sub.version
+    assert stranger.model_digest == sub.model_digest
+    assert_state_equal(stranger.state_dict(), sub.state_dict())
+    assert stranger.stats.versions_applied == 3  # its own keyframe; then this keyframe 1 and delta 2
+
+
+def test_delta_on_another_base_is_refused_by_apply(env, tmp_path):
+    """The apply step itself refuses a delta whose base link is not what is held."""
+    from xcluster.chain import Link, read_manifest
+
+    store, pub, sub = env
+    other = LocalStore(tmp_path / "other")
+    Publisher(store=other).publish(weights(5))
+    stranger = Subscriber(store=other)
+    stranger.sync()
+    stranger.store = store
+    from xcluster.format import parse_head
+    h = parse_head(store.get("HEAD").data)
+    lm = read_manifest(store, Link.of_head(h))
+    assert lm.manifest.kind == "delta"
     with pytest.raises(BaseMismatchError):
-        stranger.sync()
+        stranger._apply(lm, h)
     assert stranger.version == 1
     assert_state_equal(stranger.state_dict(), weights(5))
 

@@ -201,19 +201,6 @@ def test_far_behind_subscriber_replays_chain_or_jumps_to_keyframe(tmp_path):
     assert_state_equal(sub.state_dict(), weights(11))
 
 
-def test_sync_until_and_cannot_go_back(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
-    for s in range(5):
-        pub.publish(weights(s))
-    sub = Subscriber(store=store)
-    assert sub.sync(until=3) == 3
-    assert_state_equal(sub.state_dict(), weights(2))
-    assert sub.sync() == 5
-    with pytest.raises(Exception, match="cannot go back"):
-        sub.sync(until=2)
-
-
 def test_empty_store_sync_returns_none(tmp_path):
     assert Subscriber(str(tmp_path)).sync() is None
 
@@ -242,44 +229,3 @@ def test_publish_result_accounts_every_byte(tmp_path):
     m = parse_manifest(store.get(manifest_key(2)).data)
     assert res.changed_elements == m.changed_elements == 300 + 1  # 300 weights and the step counter
     assert res.kind == "delta" and res.base_version == 1
-
-
-class CountingStore:
-    def __init__(self, inner):
-        self.inner, self.url, self.reads = inner, inner.url, []
-
-    def get_range(self, key, start, length):
-        self.reads.append(key)
-        return self.inner.get_range(key, start, length)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def test_next_manifest_is_prefetched_with_the_head_poll(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
-    counting = CountingStore(store)
-    sub = Subscriber(store=counting)
-    pub.publish(weights(0))
-    sub.sync()
-    pub.publish(weights(1))
-    counting.reads.clear()
-    assert sub.sync() == 2
-    assert counting.reads.count(manifest_key(2)) == 1  # fetched beside HEAD, not again after it
-    counting.reads.clear()
-    assert sub.sync() == 2  # nothing new: one speculative read of manifest 3, which is absent
-    assert counting.reads == [manifest_key(3)]
-
-
-def test_a_stale_prefetched_manifest_is_not_used(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
-    sub = Subscriber(store=store)
-    pub.publish(weights(0))
-    sub.sync()
-    pub.publish(weights(1))
-    real = store.get(manifest_key(2)).data
-    sub._prefetched = (2, b'{"an": "orphan left above HEAD earlier"}')
-    m, h = sub._read_manifest(2, parse_head(store.get(HEAD_KEY).data).manifest_xxh3_128)
-    assert m.version == 2 and m.to_bytes() == real
