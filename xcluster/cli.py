@@ -67,6 +67,75 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_subscribe(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from .follow.daemon import Daemon, DaemonConfig, default_node_id
+    from .follow.handoff import HandoffConfig, make_handoff
+    from .follow.logs import setup_logging
+    from .follow.metrics import DaemonMetrics
+    from .follow.modeldir import ModelDirConfig
+    from .subscriber import SubscriberConfig
+
+    setup_logging(args.log_format, args.log_level)
+    handoff = None
+    if args.engine != "none":
+        handoff = make_handoff(args.engine, url=args.engine_url, body=args.engine_body, exec_cmd=args.exec_cmd,
+                               pause_mode=args.pause_mode,
+                               config=HandoffConfig(timeout_s=args.handoff_timeout))
+    notify_socket = os.environ.get("NOTIFY_SOCKET")  # systemd's, read here and passed down
+    config = DaemonConfig(
+        out=Path(args.out), poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once,
+        node_id=args.node_id or default_node_id(), lease_every_s=args.lease_interval,
+        model_dir=ModelDirConfig(shard_bytes=args.shard_size, keep=args.keep),
+        subscriber=SubscriberConfig(fetch_workers=args.fetch_workers),
+        notify=notify_socket is not None, notify_socket=notify_socket,
+        progress=sys.stderr.isatty() and not args.no_progress)
+    metrics = DaemonMetrics()
+    server = metrics.serve(args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
+    daemon = Daemon(args.url, config=config, handoff=handoff, metrics=metrics)
+    daemon.install_signal_handlers()
+    try:
+        return daemon.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def _add_subscribe(sub) -> None:
+    p = sub.add_parser("subscribe", help="follow a store: apply each version, write a model directory, "
+                       "hand it to the inference engine (runs until stopped)",
+                       description="The rollout-node daemon. Every committed version is fetched, verified and "
+                       "applied while the engine keeps serving; then OUT/versions/<V> (a complete Hugging Face "
+                       "model directory) is written, OUT/current switched, and the engine told to reload.")
+    p.add_argument("url", help="store URL: a path, file://, s3://bucket/prefix, …")
+    p.add_argument("--out", required=True, help="directory for model directories and state (e.g. /dev/shm/xc)")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between HEAD polls (default 1)")
+    p.add_argument("--backoff-max", type=float, default=30.0, help="longest wait while failing (default 30 s)")
+    p.add_argument("--once", action="store_true", help="apply and hand over what is there, then exit")
+    p.add_argument("--engine", choices=["none", "vllm", "sglang", "http", "exec"], default="none",
+                   help="how to hand a new directory to the engine (default none)")
+    p.add_argument("--engine-url", help="engine base URL (vllm, sglang) or endpoint (http)")
+    p.add_argument("--engine-body", help="--engine http: JSON body template with {path} and {version}")
+    p.add_argument("--exec", dest="exec_cmd", help="--engine exec: command run with XCLUSTER_MODEL_DIR and "
+                   "XCLUSTER_VERSION set")
+    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep",
+                   help="vLLM: what happens to requests in flight during the switch (default keep)")
+    p.add_argument("--handoff-timeout", type=float, default=300.0, help="seconds per hand-off request")
+    p.add_argument("--keep", type=int, default=2, help="old version directories kept besides current (default 2)")
+    p.add_argument("--shard-size", type=int, default=5 * 10**9, help="bytes per safetensors shard (default 5 GB)")
+    p.add_argument("--fetch-workers", type=int, default=8, help="chunks fetched in parallel")
+    p.add_argument("--node-id", help="name in leases/<node-id>.json (default: hostname)")
+    p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    p.add_argument("--log-format", choices=["plain", "json"], default="plain")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.set_defaults(func=cmd_subscribe)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xcluster", description="Lossless delta transport of model weights.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -80,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("url")
     ver.add_argument("--version", type=int, default=None, help="version to verify (default: HEAD)")
     ver.set_defaults(func=cmd_verify)
+    _add_subscribe(sub)
     return p
 
 

@@ -99,6 +99,11 @@ class ConcurrentPublisherError(XclusterError):
     """Another publisher committed to this prefix; this one refuses to overwrite it."""
 
 
+# --- daemon ----------------------------------------------------------------------------------
+class StateFileError(XclusterError):
+    """The daemon's state record under --out is unreadable or inconsistent (it restarts from a keyframe)."""
+
+
 # --- s3 --------------------------------------------------------------------------------------
 class ShortReadError(TransientStoreError):
     """A response body ended before its Content-Length or the requested range (worth a retry)."""

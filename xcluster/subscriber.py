@@ -90,6 +90,8 @@ class Snapshot:
     model_digest: str | None
     manifest: Manifest | None
     manifest_xxh3_128: str | None
+    manifest_data: bytes | None = None
+    """The manifest's bytes as stored (what :meth:`Subscriber.restore` takes back)."""
 
 
 @dataclass
@@ -108,6 +110,7 @@ class _Held:
     manifest: Manifest
     xxh3_128: str
     digests: dict[str, str] = field(default_factory=dict)
+    data: bytes = b""
 
     @property
     def version(self) -> int:
@@ -121,6 +124,8 @@ class Subscriber:
         self.store = resolve_store(url, store, "Subscriber")
         self.config = config or SubscriberConfig()
         self.on_apply = on_apply
+        self.on_chunk: Callable[[Manifest, int], None] | None = None
+        """Called from fetch threads with each verified chunk's size (progress bars)."""
         self.stats = SubscriberStats()
         self._sync_lock = threading.Lock()  # one sync at a time
         self._lock = threading.RLock()  # guards what is held; taken while patching, never while fetching
@@ -159,7 +164,7 @@ class Subscriber:
             if held is None:
                 return Snapshot(state=state, version=None, model_digest=None, manifest=None, manifest_xxh3_128=None)
             return Snapshot(state=state, version=held.version, model_digest=held.manifest.model_digest,
-                            manifest=held.manifest, manifest_xxh3_128=held.xxh3_128)
+                            manifest=held.manifest, manifest_xxh3_128=held.xxh3_128, manifest_data=held.data)
 
     def state_dict(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
         """The current verified weights (see :meth:`snapshot` to read their version with them)."""
@@ -190,7 +195,7 @@ class Subscriber:
             raise DigestMismatchError(f"{where}: the manifest's model digest does not match its tensors")
         with self._sync_lock, self._lock:
             self._state = tensors
-            self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors})
+            self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
         return m.version
 
     # --- following ----------------------------------------------------------------------------
@@ -258,6 +263,8 @@ class Subscriber:
             data = cached.read_bytes()
             if xxh3_128(data) == c.xxh3_128:
                 self.stats.chunk_cache_hits += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
                 return data
         err: IntegrityError | None = None
         for attempt in range(self.config.integrity_retries + 1):
@@ -275,6 +282,8 @@ class Subscriber:
             else:
                 if cached is not None:
                     _write_atomic(cached, data)
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
                 return data
             if attempt < self.config.integrity_retries:
                 self.stats.refetches += 1
@@ -307,7 +316,7 @@ class Subscriber:
         chunks = self._fetch_all(m, mhash)
         t1 = time.perf_counter()
         with self._lock:
-            self._patch_and_verify(m, mhash, chunks, where)
+            self._patch_and_verify(m, mhash, chunks, where, lm.data)
         del chunks
         self.stats.versions_applied += 1
         self.prune_chunk_cache()
@@ -320,7 +329,7 @@ class Subscriber:
         if self.on_apply is not None:
             self.on_apply(ev)
 
-    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str) -> None:
+    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
         """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or
         interrupt every patch is undone, after every worker has stopped."""
         held = self._held
@@ -383,7 +392,7 @@ class Subscriber:
                 if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
                     _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
         self._state = {t.name: target[i] for i, t in enumerate(m.tensors)}
-        self._held = _Held(m, mhash, {t.name: t.digest for t in m.tensors})
+        self._held = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data)
 
 
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
