@@ -418,7 +418,10 @@ class ExecHandoff(_Retrying):
         try:
             stdout, stderr = proc.communicate(timeout=self.config.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children would hold the pipes open
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children would hold the pipes open
+            except ProcessLookupError:  # it ended just now
+                pass
             _, stderr = proc.communicate()
             raise HandoffError(f"hand-off command {self.argv!r} ran past {self.config.timeout_s} s and was "
                                f"killed; stderr: {_tail(stderr)}") from None
