@@ -264,3 +264,12 @@ def test_version_numbers_are_checked(tmp_path):
     for bad in (-1, True, "3"):
         with pytest.raises(ModelDirError):
             ModelDir(tmp_path).path(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_are_written_from_the_device(tmp_path):
+    state = {k: v.to("cuda") for k, v in mixed_state().items()}
+    state["tied"] = state["fp32"]
+    ModelDir(tmp_path).write_version(1, state, {})
+    got, _ = ModelDir(tmp_path).load(1)
+    assert_state_equal(got, {k: v.cpu() for k, v in state.items()})
