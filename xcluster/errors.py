@@ -123,3 +123,16 @@ class ObjectTooLargeError(StoreError):
 
 class ConditionalWritesUnsupportedError(StoreError):
     """The server ignores If-None-Match / If-Match on PutObject, so commits are not race-free."""
+
+
+# --- follow (the subscriber daemon's sink and engine hand-off) ------------------------------
+class ModelDirError(XclusterError):
+    """A version directory of a model directory is missing, partial, corrupt or cannot be written."""
+
+
+class HandoffError(XclusterError):
+    """The inference engine did not take a new model directory (refused, unreachable, timed out)."""
+
+
+class TransientHandoffError(HandoffError):
+    """A hand-off failure worth retrying: connection refused/reset, timeout, HTTP 5xx or 429."""
