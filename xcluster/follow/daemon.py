@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, IntegrityError, ObjectNotFoundError,
-                      StoreError, TruncatedObjectError, XclusterError)
+from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
+                      StoreError, XclusterError)
 from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
 from ..store import Store, resolve_store
 from ..subscriber import AppliedVersion, Subscriber, SubscriberConfig
@@ -132,6 +132,8 @@ class Daemon:
         self._files: dict[str, bytes] = {}  # non-weight files by xxh3, as verified
         self._last_error: str | None = None
         self._engine_state = "none" if handoff is None else "pending"
+        self.metrics.set_info(source=self.store.url, out=str(self.out), node=config.node_id,
+                              engine=getattr(handoff, "name", "none") if handoff is not None else "none")
         self._lease_at = 0.0
         self._ready_sent = False
         self._store_backoff = _Backoff(config.poll_s, config.backoff_max_s)
@@ -139,6 +141,7 @@ class Daemon:
         self._handoff_at = 0.0
         self._target: int | None = None
         self._follow_ok = True
+        self._stats_seen = (0, 0)
         self._last_applied: AppliedVersion | None = None
         self._bar = None
 
@@ -203,7 +206,7 @@ class Daemon:
         self._state = st
         if self.model_dir.current_version() != st.version:
             self.model_dir.switch_current(st.version)
-        self.metrics.set_applied(st.version, st.committed_unix_ms)
+        self.metrics.version_applied(st.version, committed_at=_seconds(st.committed_unix_ms), resumed=True)
         if self.handoff is not None:
             self._engine_state = "ok" if st.engine_version == st.version else "pending"
         log.info("resumed at version %d from %s (digest verified)", st.version, self.model_dir.path(st.version))
@@ -217,13 +220,12 @@ class Daemon:
         return self._follow_ok and handed
 
     def _follow(self) -> bool:
-        t_poll = time.perf_counter()
         ok = True
         head = None
         try:
             head = self.subscriber.poll()
             if head is not None:
-                self.metrics.set_head(head.version)
+                self.metrics.head_seen(head.version)
                 held = self.subscriber.version
                 if held is None or head.version > held:
                     self._target = head.version
@@ -239,13 +241,10 @@ class Daemon:
             log.error("version not applied, still serving version %s: %s: %s", self.subscriber.version,
                       type(exc).__name__, exc)
             self._count_error(exc)
-            if isinstance(exc, (ChecksumMismatchError, TruncatedObjectError, IntegrityError)):
-                self.metrics.checksum_failure()
             ok = False
         finally:
             self._target = None
-            self.metrics.observe_poll(time.perf_counter() - t_poll)
-            self.metrics.sync_from(self.subscriber.stats)
+            self._sync_stats()
         held = self.subscriber.version
         if held is not None and (self._state is None or self._state.version != held):
             try:  # also after a failure part-way through a chain: the versions before it are good
@@ -275,14 +274,16 @@ class Daemon:
         for v in self.model_dir.prune():
             log.debug("pruned version directory %d", v)
         write_s = time.perf_counter() - t0
-        self.metrics.observe("write_dir", write_s)
-        self.metrics.set_applied(snap.version, committed)
+        self.metrics.write_dir_seconds.observe(write_s)
+        self.metrics.version_applied(snap.version, committed_at=_seconds(committed),
+                                     head_version=head.version if head is not None else None)
         ev = self._last_applied
         lag = f", {self._clock() - committed / 1000:.3f}s after commit" if committed else ""
         log.info("version %d is current at %s (%s; fetch %.3fs, apply %.3fs, write %.3fs%s)", snap.version, path,
                  m.kind, ev.fetch_seconds if ev else 0.0, ev.apply_seconds if ev else 0.0, write_s, lag)
         if self.handoff is not None:
             self._engine_state = "pending"
+            self.metrics.set_engine_state("loading")
             self._handoff_backoff.reset()
             self._handoff_at = 0.0
         for fn in self._listeners:
@@ -336,15 +337,15 @@ class Daemon:
             self._last_error = f"hand-off of version {st.version}: {exc}"
             log.error("engine hand-off of version %d failed (retrying in %.1fs, still following the store): %s",
                       st.version, delay, exc)
-            self.metrics.handoff_failed()
-            self._count_error(exc)
+            self.metrics.handoff_failed(exc)
+            self._last_error = f"hand-off of version {st.version}: {exc}"
             return False
         self._handoff_backoff.reset()
         self._state = st.with_engine(st.version)
         self.states.save(self._state)
         self._engine_state = "ok"
         self._last_error = None
-        self.metrics.handoff_done(res.seconds, res.pause_seconds, st.version)
+        self.metrics.handoff_done(res)
         committed = st.committed_unix_ms
         lag = f"; commit → engine {self._clock() - committed / 1000:.3f}s" if committed else ""
         pause = f", engine paused {res.pause_seconds:.3f}s" if res.pause_seconds is not None else ""
@@ -376,7 +377,6 @@ class Daemon:
     def _ready(self) -> None:
         if not self._ready_sent:
             self._ready_sent = True
-            self.metrics.set_ready(True)
             self._notify("READY=1")
 
     def _notify(self, msg: str) -> None:
@@ -394,7 +394,7 @@ class Daemon:
 
     def _count_error(self, exc: BaseException) -> None:
         self._last_error = f"{type(exc).__name__}: {exc}"
-        self.metrics.error(type(exc).__name__)
+        self.metrics.error(exc)
 
     def _next_wait(self, ok: bool) -> float:
         """poll_s normally; backoff with jitter while the store fails (never a tight loop). A
@@ -405,5 +405,19 @@ class Daemon:
 
     def _on_apply(self, ev: AppliedVersion) -> None:
         self._last_applied = ev
-        self.metrics.observe("fetch", ev.fetch_seconds)
-        self.metrics.observe("apply", ev.apply_seconds)
+        self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
+        self.metrics.apply_seconds.observe(ev.apply_seconds)
+
+    def _sync_stats(self) -> None:
+        """Carry the subscriber's counters over to the metrics (as increments)."""
+        s, last = self.subscriber.stats, self._stats_seen
+        if s.checksum_failures > last[0]:
+            for _ in range(s.checksum_failures - last[0]):
+                self.metrics.checksum_failure()
+        if s.refetches > last[1]:
+            self.metrics.retry("fetch", s.refetches - last[1])
+        self._stats_seen = (s.checksum_failures, s.refetches)
+
+
+def _seconds(unix_ms: int | None) -> float | None:
+    return None if unix_ms is None else unix_ms / 1000

@@ -100,13 +100,16 @@ class DaemonMetrics:
                                  registry=reg)
 
     # --- updates ---------------------------------------------------------------------------------
-    def version_applied(self, version: int, *, committed_at: float, head_version: int | None = None) -> None:
-        """A version is applied; ``committed_at`` is its commit time (Unix seconds)."""
+    def version_applied(self, version: int, *, committed_at: float | None, head_version: int | None = None,
+                        resumed: bool = False) -> None:
+        """A version is applied; ``committed_at`` is its commit time (Unix seconds, None if not
+        known). ``resumed``: taken over from disk at start-up, not applied now (not counted)."""
         with self._lock:
-            self._committed_at = float(committed_at)
+            self._committed_at = None if committed_at is None else float(committed_at)
             self._applied = version
         self.applied_version.set(version)
-        self.versions_applied.inc()
+        if not resumed:
+            self.versions_applied.inc()
         self.head_seen(version if head_version is None else head_version)
 
     def head_seen(self, head_version: int) -> None:
