@@ -79,6 +79,8 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     from .subscriber import SubscriberConfig
 
     setup_logging(args.log_format, args.log_level)
+    if args.exec_cmd and args.engine == "none":
+        args.engine = "exec"
     handoff = None
     if args.engine != "none":
         handoff = make_handoff(args.engine, url=args.engine_url, body=args.engine_body, exec_cmd=args.exec_cmd,

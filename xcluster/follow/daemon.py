@@ -42,6 +42,7 @@ from .modeldir import ModelDir, ModelDirConfig
 from .state import DaemonState, StateStore
 
 log = logging.getLogger("xcluster.daemon")
+PROGRESS_MIN_BYTES = 64 << 20
 
 
 def default_node_id() -> str:
@@ -143,7 +144,10 @@ class Daemon:
         self._follow_ok = True
         self._stats_seen = (0, 0)
         self._last_applied: AppliedVersion | None = None
-        self._bar = None
+        self._bar = None  # (version, tqdm) while a large fetch shows progress
+        self._bar_lock = threading.Lock()
+        if config.progress:
+            self.subscriber.on_chunk = self._progress
 
     # --- public -------------------------------------------------------------------------------
     def on_update(self, fn: Callable[[Path, int], None]) -> Callable[[Path, int], None]:
@@ -403,7 +407,25 @@ class Daemon:
             return self.config.poll_s
         return self._store_backoff.next_delay()
 
+    def _progress(self, m: Manifest, nbytes: int) -> None:
+        """A progress bar on stderr for fetches above PROGRESS_MIN_BYTES (called from fetch threads)."""
+        if m.chunk_bytes < PROGRESS_MIN_BYTES:
+            return
+        with self._bar_lock:
+            if self._bar is None or self._bar[0] != m.version:
+                from tqdm import tqdm
+
+                if self._bar is not None:
+                    self._bar[1].close()
+                self._bar = (m.version, tqdm(total=m.chunk_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                                             desc=f"version {m.version} ({m.kind})", leave=False))
+            self._bar[1].update(nbytes)
+
     def _on_apply(self, ev: AppliedVersion) -> None:
+        with self._bar_lock:
+            if self._bar is not None:
+                self._bar[1].close()
+                self._bar = None
         self._last_applied = ev
         self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
         self.metrics.apply_seconds.observe(ev.apply_seconds)
