@@ -113,3 +113,8 @@ class ObjectTooLargeError(StoreError):
 
 class ConditionalWritesUnsupportedError(StoreError):
     """The server ignores If-None-Match / If-Match on PutObject, so commits are not race-free."""
+
+
+# --- model directories -----------------------------------------------------------------------
+class ModelDirError(XclusterError, ValueError):
+    """Weights or files for a Hugging Face model directory do not match the model's config."""
