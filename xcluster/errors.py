@@ -126,8 +126,9 @@ class ConditionalWritesUnsupportedError(StoreError):
 
 
 # --- follow (the subscriber daemon's sink and engine hand-off) ------------------------------
-class ModelDirError(XclusterError):
-    """A version directory of a model directory is missing, partial, corrupt or cannot be written."""
+class ModelDirError(XclusterError, ValueError):
+    """A model directory (or a version of one) is missing, partial, corrupt, cannot be written, or
+    does not match the model's config."""
 
 
 class HandoffError(XclusterError):
