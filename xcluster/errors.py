@@ -137,3 +137,26 @@ class HandoffError(XclusterError):
 
 class TransientHandoffError(HandoffError):
     """A hand-off failure worth retrying: connection refused/reset, timeout, HTTP 5xx or 429."""
+
+
+# --- background publishing -------------------------------------------------------------------
+class BackgroundPublishError(XclusterError):
+    """A publish running in the background failed; ``__cause__`` is the original error.
+
+    Raised by the next ``publish()`` / ``flush()`` / ``close()`` of the publisher, and by
+    ``PublishTicket.result()`` of the snapshot concerned. Nothing of the failed version is
+    visible; the next ``publish()`` is a fresh attempt."""
+
+
+class PublishTimeoutError(XclusterError, TimeoutError):
+    """``flush()``, ``close()`` or ``PublishTicket.result()`` ran out of time before the
+    background publisher committed what it was waiting for."""
+
+
+class PublishCancelledError(XclusterError):
+    """A snapshot was dropped without being published: the publisher was closed (or the
+    interpreter exited) while it was still waiting its turn."""
+
+
+class PublisherClosedError(XclusterError):
+    """``publish()`` was called on a publisher that has been closed."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from .errors import (ConfigError, ConcurrentPublisherError, ObjectNotFoundError,
 from .format import (DELTA, HEAD_KEY, KEYFRAME, MAX_MANIFEST_BYTES, ChunkEntry, Head, Manifest, check_tensor_name,
                      chunk_key, manifest_key, parse_head, parse_manifest, version_dir, xxh3_128)
 from .store import Store, resolve_store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .background import PublishTicket
 
 log = logging.getLogger(__name__)
 MAX_STEP = (1 << 53) - 1
@@ -50,6 +54,16 @@ class PublisherConfig:
     """A manifest above HEAD older than this is taken for the leftover of a publisher that died
     between writing it and moving HEAD (a live one does both within a request or two), and is
     replaced. Younger ones mean another publisher is committing: ConcurrentPublisherError."""
+    background: bool = False
+    """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.background.PublishTicket`);
+    encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/background.py)."""
+    snapshot: str = "device"
+    """Background mode: where the snapshot goes. ``"device"`` copies on the tensors' own device (fastest
+    for the trainer, costs device memory); ``"pinned"`` copies CUDA tensors to page-locked host memory
+    asynchronously (no device memory). On a CPU-only host both are a plain copy."""
+    close_timeout_s: float = 60.0
+    """Background mode, at interpreter exit: how long the version in flight may take to commit before it
+    is abandoned (it stays invisible). The snapshot still waiting is dropped with a warning."""
 
     def __post_init__(self) -> None:
         if self.keyframe_every < 1:
@@ -58,6 +72,10 @@ class PublisherConfig:
             raise ConfigError("upload_workers and max_inflight_chunks must be >= 1")
         if self.orphan_grace_s < 0:
             raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
+        if self.snapshot not in ("device", "pinned"):
+            raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
+        if not self.close_timeout_s >= 0:
+            raise ConfigError(f"close_timeout_s must be >= 0 (seconds), got {self.close_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +130,8 @@ class Publisher:
 
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: PublisherConfig | None = None, clock: Callable[[], float] = time.time,
-                 attempt_id: Callable[[], str] = lambda: secrets.token_hex(4)) -> None:
+                 attempt_id: Callable[[], str] = lambda: secrets.token_hex(4),
+                 on_commit: Callable[[PublishResult], None] | None = None) -> None:
         self.store = resolve_store(url, store, "Publisher")
         self.config = config or PublisherConfig()
         self._clock = clock
@@ -125,6 +144,18 @@ class Publisher:
         self._since_keyframe = 0
         self._unsure: tuple[int, str] | None = None  # (version, manifest hash) whose HEAD write may have landed
         self._head_version, self._head_etag = self._read_head()
+        self.on_commit = on_commit
+        """Called with each committed PublishResult (in background mode, from the worker thread)."""
+        self.last_result: PublishResult | None = None
+        """The newest version this publisher committed."""
+        self.background = None
+        """The :class:`~xcluster.background.BackgroundPublisher` in background mode (``.stats()``), else None."""
+        if self.config.background:
+            from .background import BackgroundPublisher
+
+            self.background = BackgroundPublisher(
+                self._publish_sync, where=self.store.url, snapshot=self.config.snapshot,
+                close_timeout_s=self.config.close_timeout_s, on_commit=lambda r: self.on_commit and self.on_commit(r))
 
     @property
     def version(self) -> int:
@@ -144,17 +175,55 @@ class Publisher:
         return parse_head(blob.data, where=f"{self.store.url}/{HEAD_KEY}"), blob.etag
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
-                keyframe: bool | None = None) -> PublishResult:
+                keyframe: bool | None = None, dtype: torch.dtype | None = None) -> PublishResult | PublishTicket:
         """Encode, upload and commit ``state_dict`` as the next version; returns once committed.
 
         ``keyframe=True`` forces a keyframe (e.g. after a subscriber reported a bad apply).
+        ``dtype`` converts floating-point tensors first (e.g. fp32 master weights → bfloat16).
         On failure nothing becomes visible and the next call retries the same version number.
+        In background mode, returns a :class:`~xcluster.background.PublishTicket` once the
+        weights are snapshotted (see xcluster/background.py).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
                                  or not 0 <= int(step) <= MAX_STEP):
             raise ConfigError(f"step must be an integer in [0, 2**53-1] or None, got {step!r}")
+        step = None if step is None else int(step)
+        if self.background is not None:
+            return self.background.submit(state_dict, step=step, keyframe=keyframe, dtype=dtype)
+        if dtype is not None:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        result = self._publish_sync(state_dict, step, keyframe)
+        if self.on_commit is not None:
+            self.on_commit(result)
+        return result
+
+    def _publish_sync(self, state_dict, step, keyframe) -> PublishResult:
         with self._lock:
-            return self._publish(state_dict, None if step is None else int(step), keyframe)
+            self.last_result = self._publish(state_dict, step, keyframe)
+            return self.last_result
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Background mode: wait until everything published so far is committed, or raise the
+        failure (BackgroundPublishError) / PublishTimeoutError. Nothing to do otherwise."""
+        if self.background is not None:
+            self.background.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Background mode: flush, then stop the worker thread. Later publish() calls are refused."""
+        if self.background is not None:
+            self.background.close(timeout)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # already failing: stop, but do not mask the original error
+            self.close(self.config.close_timeout_s)
+        except XclusterError:
+            log.exception("closing the publisher for %s after an error", self.store.url)
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()

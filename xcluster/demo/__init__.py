@@ -62,8 +62,8 @@ class DemoConfig:
     rollout_timeout: float = 120.0
     """Give up when the engine has not loaded the last version this many seconds after training."""
     tamper_version: int | None = None
-    """Test hook: the engine flips one bit of the weights it loaded at this version, so the
-    demo must show ✗ there and fail."""
+    """Test hook: from this version on, the engine flips one bit of the weights it loaded, so
+    the demo must show ✗ there and fail."""
 
     def __post_init__(self) -> None:
         from .hfmodel import PRESETS

@@ -9,8 +9,8 @@ weights it now serves, generates a few greedy tokens, and appends one JSON line 
     {"event": "loaded", "version": 3, "path": "...", "unix": 1.7e9, "model_digest": "…",
      "load_seconds": 0.4, "greedy": " the store"}
 
-``--tamper-version V`` is a test hook: at version V it flips one bit of the weights it loaded,
-so the demo must report a mismatch there.
+``--tamper-version V`` is a test hook: from version V on it flips one bit of the weights it
+loaded, so the demo must report a mismatch there.
 
 Run as ``python -m xcluster.demo.engine --results FILE``.
 """
@@ -53,7 +53,7 @@ class _Engine:
         tok = AutoTokenizer.from_pretrained(path)
         load_s = time.perf_counter() - t0
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        if version == self.tamper_version:
+        if self.tamper_version is not None and version >= self.tamper_version:
             name = sorted(state)[0]
             raw = state[name].clone().contiguous().view(-1).view(torch.uint8)
             raw[0] ^= 1
