@@ -7,7 +7,7 @@ import re
 import sys
 import time
 
-from .errors import ObjectNotFoundError, XclusterError
+from .errors import XclusterError
 
 
 def _human(n: float) -> str:
@@ -19,34 +19,59 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .format import HEAD_KEY, manifest_key, parse_head, parse_manifest
+    from .chain import Link, read_head, read_manifest
+    from .errors import ChainBrokenError
+    from .format import KEYFRAME, manifest_key, parse_manifest
     from .store import open_store
 
     store = open_store(args.url)
-    try:
-        blob = store.get(HEAD_KEY)
-        head = parse_head(blob.data).version if blob else 0
-    except ObjectNotFoundError:
-        head = 0
-    versions = sorted({int(m.group(1)) for k in store.list("versions/")
-                       if (m := re.fullmatch(r"versions/(\d{12})/manifest\.json", k))})
-    if not versions:
+    head, _ = read_head(store)
+    found: dict[int, list[str]] = {}
+    for k in store.list("versions/"):
+        if (m := re.fullmatch(r"versions/(\d{12})/(manifest(?:-[a-z0-9]{1,32})?\.json)", k)):
+            found.setdefault(int(m.group(1)), []).append(m.group(2))
+    if not found:
         print(f"{args.url}: no versions")
         return 0
+    # the committed manifests: HEAD's chain, followed by its links back to the keyframe
+    linked: dict[int, str] = {}
+    if head is not None:
+        link = Link.of_head(head)
+        try:
+            while True:
+                linked[link.version] = link.manifest
+                lm = read_manifest(store, link)
+                if lm.manifest.kind == KEYFRAME:
+                    break
+                link = Link.base_of(lm.manifest)
+        except (ChainBrokenError, XclusterError) as exc:
+            print(f"warning: HEAD's chain is broken at version {link.version}: {exc}", file=sys.stderr)
     hdr = f"{'version':>8} {'kind':<9} {'base':>6} {'step':>6} {'chunks':>6} {'bytes':>11} {'ratio':>8} " \
           f"{'changed':>8} {'created (UTC)':<20} state"
     print(hdr)
-    for v in versions:
-        key = manifest_key(v)
-        data = store.get(key).data
-        m = parse_manifest(data, where=key)
-        total = m.chunk_bytes + len(data)
-        ratio = total / m.model_bytes if m.model_bytes else 0.0
-        changed = m.changed_elements / m.total_elements if m.total_elements else 0.0
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_unix_ms / 1000))
-        state = "HEAD" if v == head else ("committed" if v < head else "uncommitted")
-        print(f"{v:>8} {m.kind:<9} {m.base_version or '-':>6} {m.step if m.step is not None else '-':>6} "
-              f"{len(m.chunks):>6} {_human(total):>11} {ratio:>8.2%} {changed:>8.3%} {created:<20} {state}")
+    for v in sorted(found):
+        for name in sorted(found[v]):
+            key = manifest_key(v, name)
+            data = store.get(key).data
+            try:
+                m = parse_manifest(data, where=key)
+            except XclusterError as exc:
+                print(f"{v:>8} {'?':<9} {'':>6} {'':>6} {'':>6} {'':>11} {'':>8} {'':>8} {'':<20} unreadable: {exc}")
+                continue
+            total = m.chunk_bytes + len(data)
+            ratio = total / m.model_bytes if m.model_bytes else 0.0
+            changed = m.changed_elements / m.total_elements if m.total_elements else 0.0
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_unix_ms / 1000))
+            if head is not None and v == head.version and linked.get(v) == name:
+                state = "HEAD"
+            elif linked.get(v) == name:
+                state = "committed"
+            elif head is not None and v < head.keyframe_version and len(found[v]) == 1:
+                state = "committed (before HEAD's keyframe)"
+            else:
+                state = "uncommitted (left by a failed attempt: xcluster gc removes it)"
+            print(f"{v:>8} {m.kind:<9} {m.base_version or '-':>6} {m.step if m.step is not None else '-':>6} "
+                  f"{len(m.chunks):>6} {_human(total):>11} {ratio:>8.2%} {changed:>8.3%} {created:<20} {state}")
     return 0
 
 

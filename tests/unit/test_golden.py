@@ -34,7 +34,8 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
 def write(root: Path) -> None:
     pub = Publisher(store=LocalStore(root, fsync=False),
                     config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096)),
-                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
+                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
+                    files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
         pub.publish(sd, step=i)
 
