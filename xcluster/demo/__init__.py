@@ -179,6 +179,7 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     failures: list[str] = []
     try:
         node.start()
+        node.wait_ready()
         trainer = PolicyGradientTrainer(model, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed))
         n_params = sum(p.numel() for p in model.parameters())
         echo(f"xcluster demo: {n_params / 1e6:.1f}M-parameter Llama (fp32 master, bf16 shipped with config.json and "

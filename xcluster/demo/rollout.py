@@ -84,6 +84,21 @@ class RolloutNode:
             env=self.env, stdout=subprocess.DEVNULL, stderr=log)
         log.close()
 
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the daemon polls the store (it writes its lease after its first poll)."""
+        from ..format import lease_key
+        from ..store import open_store
+
+        store = open_store(self.url)
+
+        def leased() -> bool:
+            try:
+                store.stat(lease_key("demo-rollout"))
+                return True
+            except XclusterError:
+                return False
+        self._wait(leased, timeout, "the daemon's first poll")
+
     def wait_for_engine(self, version: int, timeout: float) -> EngineResults:
         """Until the engine loaded ``version`` (or newer)."""
         self._wait(lambda: any(v >= version for v in read_engine_results(self.results).loaded), timeout,

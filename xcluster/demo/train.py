@@ -11,6 +11,7 @@ what makes lossless deltas small.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,9 @@ class PolicyGradientTrainer:
         cache = DynamicCache()
         step_in = tokens
         for _ in range(c.gen_len):
-            out = self.model(input_ids=step_in, past_key_values=cache, use_cache=True)
+            with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x knows only it
+                warnings.simplefilter("ignore", FutureWarning)
+                out = self.model(input_ids=step_in, past_key_values=cache, use_cache=True)
             probs = torch.softmax(out.logits[:, -1].float(), dim=-1)
             step_in = torch.multinomial(probs, 1, generator=self.generator)
             tokens = torch.cat([tokens, step_in], dim=1)
