@@ -25,11 +25,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .chain import read_head
-from .errors import ConcurrentPublisherError, PreconditionFailedError
+from .errors import ConcurrentPublisherError, PreconditionFailedError, XclusterError
 from .format import HEAD_KEY, Head, manifest_key, xxh3_128
 from .store import Store
 
 log = logging.getLogger(__name__)
+
+
+class LateCommitError(XclusterError):
+    """HEAD moved to one of this writer's own earlier attempts, whose HEAD write had failed
+    without a verdict and landed later. That version is committed; the writer re-reads HEAD and
+    publishes the next version as a keyframe (its base is unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class Committer:
         head, self.etag = read_head(store)
         self.head: Head | None = head
         self._unsure: tuple[int, str] | None = None  # (version, manifest hash) whose HEAD write may have landed
+        self._given_up: set[tuple[int, str]] = set()  # HEAD writes that failed without a verdict: may land later
 
     @property
     def version(self) -> int:
@@ -102,10 +109,16 @@ class Committer:
                 etag = self.store.put(HEAD_KEY, data, if_match=self.etag)
         except PreconditionFailedError as exc:
             try:
-                now, _ = read_head(self.store)
+                now, now_etag = read_head(self.store)
                 moved = f" (it names version {now.version} now)" if now else ""
             except Exception:
-                moved = ""
+                now, moved = None, ""
+            if now is not None and (now.version, now.manifest_xxh3_128) in self._given_up:
+                self.head, self.etag = now, now_etag
+                self._given_up.clear()
+                raise LateCommitError(
+                    f"{self.store.url}/{HEAD_KEY}: an earlier HEAD write of this publisher, given up on, landed "
+                    f"later: version {now.version} is committed with that attempt's manifest") from exc
             raise ConcurrentPublisherError(
                 f"{self.store.url}/{HEAD_KEY} moved under this publisher{moved}: another publisher committed to "
                 f"this prefix after version {self.version}; run one publisher per prefix. Nothing was deleted: "
@@ -113,13 +126,16 @@ class Committer:
         except Exception:
             etag = self._landed(head)  # a timeout does not say the write failed
             if etag is None:
+                self._given_up.add((head.version, mhash))  # it may still land: never delete, recognise it
                 raise
         except BaseException:
             # SystemExit / KeyboardInterrupt inside the request: the write may have landed. Never
             # delete; the next attempt reads HEAD again before building on anything.
             self._unsure = (head.version, mhash)
+            self._given_up.add((head.version, mhash))
             raise
         self.head, self.etag = head, etag
+        self._given_up.clear()
         return CommitOutcome(head=head, head_bytes=len(data), etag=etag)
 
     def _landed(self, head: Head) -> str | None:
@@ -135,5 +151,6 @@ class Committer:
             log.warning("HEAD write for version %d reported failure but landed", head.version)
             assert etag is not None
             return etag
-        self.head, self.etag = now, etag
+        # Not (yet) ours. Keep the view this writer had: if someone else moved HEAD, the next
+        # compare-and-swap fails and says so, rather than building on a version it never held.
         return None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .codec.encode import CodecConfig, apply_update, encode_version
-from .commit import Committer
+from .commit import Committer, LateCommitError
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, XclusterError
@@ -145,6 +145,7 @@ class Publisher:
         self._base: dict[str, torch.Tensor] | None = None
         self._base_model_digest: str | None = None
         self._base_link: tuple[str, str] | None = None  # (manifest name, manifest hash) of the base
+        self._base_version = 0
         self._keyframe_version = 0
         self._since_keyframe = 0
         self._keyframe_bytes = 0
@@ -229,6 +230,14 @@ class Publisher:
             log.exception("closing the publisher for %s after an error", self.store.url)
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
+        try:
+            return self._publish_once(state_dict, step, force_keyframe)
+        except LateCommitError as exc:
+            log.warning("%s; publishing this state as version %d, a keyframe", exc, self.version + 1)
+            self._base = None
+            return self._publish_once(state_dict, step, force_keyframe)
+
+    def _publish_once(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()
         cfg = self.config
         new = prepare_state(state_dict)
@@ -241,6 +250,8 @@ class Publisher:
             digests = dict(zip(names, pool.map(lambda n: tensor_digest(new[n]), names)))
         mdigest = model_digest_from((n, dtype_name(new[n].dtype), tuple(new[n].shape), digests[n]) for n in names)
         version = c.version + 1
+        if self._base_version != c.version:  # never a delta on anything but the version HEAD names
+            self._base = None
         is_key = (self._base is None or force_keyframe is True
                   or (force_keyframe is None and self._keyframe_due()))
         attempt = self._attempt_id()
@@ -291,6 +302,7 @@ class Publisher:
             self._since_keyframe += 1
             self._chain_bytes += delta_bytes
         self._base_model_digest, self._base_link = mdigest, (mname, mhash)
+        self._base_version = version
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,

@@ -8,6 +8,9 @@ Fault kinds, chosen per request by a seeded probability or an explicit schedule:
 ``slowdown``  answer 503 SlowDown without forwarding
 ``error500``  answer 500 InternalError without forwarding
 ``latency``   wait ``fault_latency_s`` before answering
+``hold``      read the whole request, then hold it until ``release()`` before forwarding it (the
+              client times out and gives up; the request lands later, as a slow network can make
+              it); the answer goes to a client that is gone
 
 ``latency_s`` adds a fixed delay to every request (half before forwarding it, half before the
 answer): request/response round trips then take that much longer, as over a WAN.
@@ -29,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 
 KINDS = ("reset", "truncate", "flip", "slowdown", "error500", "latency")
+HOLD = "hold"  # only by schedule: not a random fault
 _CHUNK = 64 * 1024
 _CANNED = {
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
@@ -99,6 +103,9 @@ class FaultProxy:
                  fault_latency_s: float = 0.3, strip_request_headers: tuple[str, ...] = (),
                  listen: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         assert all(k in KINDS for k in kinds), kinds
+        self._released = threading.Event()
+        self.held = 0
+        self.landed_after_hold = 0
         self.upstream = upstream
         self.probability, self.kinds, self.methods = probability, kinds, methods
         self.schedule = schedule
@@ -122,6 +129,10 @@ class FaultProxy:
             if kinds is not None:
                 self.kinds = kinds
             self.methods = methods
+
+    def release(self) -> None:
+        """Forward every held request (and every later one that would be held)."""
+        self._released.set()
 
     # --- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> "FaultProxy":
@@ -202,8 +213,13 @@ class FaultProxy:
                     with self._lock:
                         self._conns.add(upstream)
                 chunked = (_get(headers, "transfer-encoding") or "").lower() == "chunked"
+                if kind == HOLD:  # the whole request first, then wait for release()
+                    body = list(_body_chunks(cf, headers))
+                    with self._lock:
+                        self.held += 1
+                    self._released.wait()
                 upstream.sendall(_head_bytes(first, headers))
-                for piece in _body_chunks(cf, headers):
+                for piece in (body if kind == HOLD else _body_chunks(cf, headers)):
                     upstream.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
                 if chunked:
                     upstream.sendall(b"0\r\n\r\n")
@@ -211,6 +227,9 @@ class FaultProxy:
                 while rfirst.split(b" ")[1].startswith(b"1"):  # 100 Continue from upstream
                     rfirst, rheaders = _read_head(uf)
                 status = int(rfirst.split(b" ")[1])
+                if kind == HOLD:
+                    with self._lock:
+                        self.landed_after_hold += status < 300
                 no_body = method == "HEAD" or status in (204, 304)
                 if kind == "latency":
                     self._count(kind)
