@@ -7,7 +7,7 @@ import re
 import sys
 import time
 
-from .errors import ObjectNotFoundError, XclusterError
+from .errors import XclusterError
 
 
 def _human(n: float) -> str:
@@ -19,34 +19,59 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .format import HEAD_KEY, manifest_key, parse_head, parse_manifest
+    from .chain import Link, read_head, read_manifest
+    from .errors import ChainBrokenError
+    from .format import KEYFRAME, manifest_key, parse_manifest
     from .store import open_store
 
     store = open_store(args.url)
-    try:
-        blob = store.get(HEAD_KEY)
-        head = parse_head(blob.data).version if blob else 0
-    except ObjectNotFoundError:
-        head = 0
-    versions = sorted({int(m.group(1)) for k in store.list("versions/")
-                       if (m := re.fullmatch(r"versions/(\d{12})/manifest\.json", k))})
-    if not versions:
+    head, _ = read_head(store)
+    found: dict[int, list[str]] = {}
+    for k in store.list("versions/"):
+        if (m := re.fullmatch(r"versions/(\d{12})/(manifest(?:-[a-z0-9]{1,32})?\.json)", k)):
+            found.setdefault(int(m.group(1)), []).append(m.group(2))
+    if not found:
         print(f"{args.url}: no versions")
         return 0
+    # the committed manifests: HEAD's chain, followed by its links back to the keyframe
+    linked: dict[int, str] = {}
+    if head is not None:
+        link = Link.of_head(head)
+        try:
+            while True:
+                linked[link.version] = link.manifest
+                lm = read_manifest(store, link)
+                if lm.manifest.kind == KEYFRAME:
+                    break
+                link = Link.base_of(lm.manifest)
+        except (ChainBrokenError, XclusterError) as exc:
+            print(f"warning: HEAD's chain is broken at version {link.version}: {exc}", file=sys.stderr)
     hdr = f"{'version':>8} {'kind':<9} {'base':>6} {'step':>6} {'chunks':>6} {'bytes':>11} {'ratio':>8} " \
           f"{'changed':>8} {'created (UTC)':<20} state"
     print(hdr)
-    for v in versions:
-        key = manifest_key(v)
-        data = store.get(key).data
-        m = parse_manifest(data, where=key)
-        total = m.chunk_bytes + len(data)
-        ratio = total / m.model_bytes if m.model_bytes else 0.0
-        changed = m.changed_elements / m.total_elements if m.total_elements else 0.0
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_unix_ms / 1000))
-        state = "HEAD" if v == head else ("committed" if v < head else "uncommitted")
-        print(f"{v:>8} {m.kind:<9} {m.base_version or '-':>6} {m.step if m.step is not None else '-':>6} "
-              f"{len(m.chunks):>6} {_human(total):>11} {ratio:>8.2%} {changed:>8.3%} {created:<20} {state}")
+    for v in sorted(found):
+        for name in sorted(found[v]):
+            key = manifest_key(v, name)
+            data = store.get(key).data
+            try:
+                m = parse_manifest(data, where=key)
+            except XclusterError as exc:
+                print(f"{v:>8} {'?':<9} {'':>6} {'':>6} {'':>6} {'':>11} {'':>8} {'':>8} {'':<20} unreadable: {exc}")
+                continue
+            total = m.chunk_bytes + len(data)
+            ratio = total / m.model_bytes if m.model_bytes else 0.0
+            changed = m.changed_elements / m.total_elements if m.total_elements else 0.0
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_unix_ms / 1000))
+            if head is not None and v == head.version and linked.get(v) == name:
+                state = "HEAD"
+            elif linked.get(v) == name:
+                state = "committed"
+            elif head is not None and v < head.keyframe_version and len(found[v]) == 1:
+                state = "committed (before HEAD's keyframe)"
+            else:
+                state = "uncommitted (left by a failed attempt: xcluster gc removes it)"
+            print(f"{v:>8} {m.kind:<9} {m.base_version or '-':>6} {m.step if m.step is not None else '-':>6} "
+                  f"{len(m.chunks):>6} {_human(total):>11} {ratio:>8.2%} {changed:>8.3%} {created:<20} {state}")
     return 0
 
 
@@ -67,6 +92,77 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_subscribe(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from .follow.daemon import Daemon, DaemonConfig, default_node_id
+    from .follow.handoff import HandoffConfig, make_handoff
+    from .follow.logs import setup_logging
+    from .follow.metrics import DaemonMetrics
+    from .follow.modeldir import ModelDirConfig
+    from .subscriber import SubscriberConfig
+
+    setup_logging(args.log_format, args.log_level)
+    if args.exec_cmd and args.engine == "none":
+        args.engine = "exec"
+    handoff = None
+    if args.engine != "none":
+        handoff = make_handoff(args.engine, url=args.engine_url, body=args.engine_body, exec_cmd=args.exec_cmd,
+                               pause_mode=args.pause_mode,
+                               config=HandoffConfig(timeout_s=args.handoff_timeout))
+    notify_socket = os.environ.get("NOTIFY_SOCKET")  # systemd's, read here and passed down
+    config = DaemonConfig(
+        out=Path(args.out), poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once,
+        node_id=args.node_id or default_node_id(), lease_every_s=args.lease_interval,
+        model_dir=ModelDirConfig(shard_bytes=args.shard_size, keep=args.keep),
+        subscriber=SubscriberConfig(fetch_workers=args.fetch_workers),
+        notify=notify_socket is not None, notify_socket=notify_socket,
+        progress=sys.stderr.isatty() and not args.no_progress)
+    metrics = DaemonMetrics()
+    server = metrics.serve(args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
+    daemon = Daemon(args.url, config=config, handoff=handoff, metrics=metrics)
+    daemon.install_signal_handlers()
+    try:
+        return daemon.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def _add_subscribe(sub) -> None:
+    p = sub.add_parser("subscribe", help="follow a store: apply each version, write a model directory, "
+                       "hand it to the inference engine (runs until stopped)",
+                       description="The rollout-node daemon. Every committed version is fetched, verified and "
+                       "applied while the engine keeps serving; then OUT/versions/<V> (a complete Hugging Face "
+                       "model directory) is written, OUT/current switched, and the engine told to reload.")
+    p.add_argument("url", help="store URL: a path, file://, s3://bucket/prefix, …")
+    p.add_argument("--out", required=True, help="directory for model directories and state (e.g. /dev/shm/xc)")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between HEAD polls (default 1)")
+    p.add_argument("--backoff-max", type=float, default=30.0, help="longest wait while failing (default 30 s)")
+    p.add_argument("--once", action="store_true", help="apply and hand over what is there, then exit")
+    p.add_argument("--engine", choices=["none", "vllm", "sglang", "http", "exec"], default="none",
+                   help="how to hand a new directory to the engine (default none)")
+    p.add_argument("--engine-url", help="engine base URL (vllm, sglang) or endpoint (http)")
+    p.add_argument("--engine-body", help="--engine http: JSON body template with {path} and {version}")
+    p.add_argument("--exec", dest="exec_cmd", help="--engine exec: command run with XCLUSTER_MODEL_DIR and "
+                   "XCLUSTER_VERSION set")
+    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep",
+                   help="vLLM: what happens to requests in flight during the switch (default keep)")
+    p.add_argument("--handoff-timeout", type=float, default=300.0, help="seconds per hand-off request")
+    p.add_argument("--keep", type=int, default=2, help="old version directories kept besides current (default 2)")
+    p.add_argument("--shard-size", type=int, default=5 * 10**9, help="bytes per safetensors shard (default 5 GB)")
+    p.add_argument("--fetch-workers", type=int, default=8, help="chunks fetched in parallel")
+    p.add_argument("--node-id", help="name in leases/<node-id>.json (default: hostname)")
+    p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    p.add_argument("--log-format", choices=["plain", "json"], default="plain")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.set_defaults(func=cmd_subscribe)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xcluster", description="Lossless delta transport of model weights.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -80,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("url")
     ver.add_argument("--version", type=int, default=None, help="version to verify (default: HEAD)")
     ver.set_defaults(func=cmd_verify)
+    _add_subscribe(sub)
     return p
 
 

@@ -86,12 +86,22 @@ class BaseMismatchError(XclusterError):
     """A delta's base version is not the subscriber's current version."""
 
 
+class RollbackError(XclusterError):
+    """HEAD names a version below the one this subscriber holds: the store went backwards
+    (rolled back, or replaced by a stale copy). The subscriber refuses and keeps what it has."""
+
+
 class ChainBrokenError(XclusterError):
     """The chain from the newest keyframe to the requested version is incomplete."""
 
 
 class ConcurrentPublisherError(XclusterError):
     """Another publisher committed to this prefix; this one refuses to overwrite it."""
+
+
+# --- daemon ----------------------------------------------------------------------------------
+class StateFileError(XclusterError):
+    """The daemon's state record under --out is unreadable or inconsistent (it restarts from a keyframe)."""
 
 
 # --- s3 --------------------------------------------------------------------------------------
@@ -113,6 +123,20 @@ class ObjectTooLargeError(StoreError):
 
 class ConditionalWritesUnsupportedError(StoreError):
     """The server ignores If-None-Match / If-Match on PutObject, so commits are not race-free."""
+
+
+# --- follow (the subscriber daemon's sink and engine hand-off) ------------------------------
+class ModelDirError(XclusterError, ValueError):
+    """A model directory (or a version of one) is missing, partial, corrupt, cannot be written, or
+    does not match the model's config."""
+
+
+class HandoffError(XclusterError):
+    """The inference engine did not take a new model directory (refused, unreachable, timed out)."""
+
+
+class TransientHandoffError(HandoffError):
+    """A hand-off failure worth retrying: connection refused/reset, timeout, HTTP 5xx or 429."""
 
 
 # --- background publishing -------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
@@ -18,9 +18,14 @@ import xxhash
 from .dtypes import DTYPE_NAMES, itemsize
 from .errors import DecompressionBombError, FormatError, SchemaVersionError, UnsafeNameError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""What this writer produces. Schema 2 adds per-attempt manifest names (HEAD.manifest,
+Manifest.base_manifest) and non-weight files; schema 1 objects stay readable."""
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MANIFEST_FORMAT = "xcluster-manifest"
 HEAD_FORMAT = "xcluster-head"
+LEASE_FORMAT = "xcluster-lease"
+LEASE_SCHEMA_VERSION = 1
 
 KEYFRAME = "keyframe"
 DELTA = "delta"
@@ -43,10 +48,23 @@ MAX_TENSOR_ELEMENTS = 1 << 44
 MAX_SEGMENT_ELEMENTS = 1 << 31
 MAX_CHUNK_BYTES = 1 << 36
 MAX_VERSION = (1 << 53) - 1
+MAX_CHAIN = 4096
+"""A delta's chain back to its keyframe holds at most this many versions (keyframe included):
+writers keep ``version - keyframe_version < MAX_CHAIN``, readers may refuse longer chains."""
+MAX_FILE_BYTES = 256 << 20
+MAX_FILES = 1024
+MAX_LEASE_BYTES = 64 << 10
+V1_MANIFEST_NAME = "manifest.json"
+KIND_TAG = "xcluster-kind"
+"""Object tag on every chunk and manifest: ``keyframe`` or ``delta`` (bucket lifecycle rules match it)."""
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,511}")
 _CHUNK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,99}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
+_MANIFEST_NAME = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def check_tensor_name(name: Any) -> str:
@@ -63,12 +81,52 @@ def check_chunk_name(name: Any) -> str:
     return name
 
 
+def check_manifest_name(name: Any) -> str:
+    if not isinstance(name, str) or not _MANIFEST_NAME.fullmatch(name):
+        raise UnsafeNameError(f"manifest name {name!r} is not allowed: manifest[-<1-32 of a-z0-9>].json")
+    return name
+
+
+def check_file_name(name: Any) -> str:
+    """Names of non-weight files (config.json, tokenizer.json, …): plain file names, never paths,
+    never one of the weight files a model directory writer produces."""
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name or WEIGHT_FILE.fullmatch(name):
+        raise UnsafeNameError(
+            f"file name {name!r} is not allowed: 1-128 characters of [A-Za-z0-9_.-], not starting with '.' "
+            "or '-', no '..', and not a weight file name (model*.safetensors, model.safetensors.index.json)")
+    return name
+
+
+def check_node_id(node_id: Any) -> str:
+    if not isinstance(node_id, str) or not _NODE_ID.fullmatch(node_id) or ".." in node_id:
+        raise UnsafeNameError(f"node id {node_id!r} is not allowed: 1-128 characters of [A-Za-z0-9_.-], "
+                              "not starting with '.' or '-', no '..'")
+    return node_id
+
+
 def version_dir(version: int) -> str:
     return f"versions/{version:012d}"
 
 
-def manifest_key(version: int) -> str:
-    return f"{version_dir(version)}/manifest.json"
+def manifest_key(version: int, name: str = V1_MANIFEST_NAME) -> str:
+    """Key of version ``version``'s manifest called ``name`` (schema 1: always manifest.json;
+    schema 2: ``manifest-<attempt>.json``, named by HEAD or by the successor's ``base_manifest``)."""
+    return f"{version_dir(version)}/{check_manifest_name(name)}"
+
+
+def manifest_name_for(attempt: str) -> str:
+    return check_manifest_name(f"manifest-{attempt}.json")
+
+
+def file_key(xxh3: str) -> str:
+    """Non-weight files are content-addressed: ``files/<xxh3_128>``; re-sent only when they change."""
+    if not isinstance(xxh3, str) or not _HEX128.fullmatch(xxh3):
+        raise UnsafeNameError(f"file hash {xxh3!r} is not 32 lower-case hex digits")
+    return f"files/{xxh3}"
+
+
+def lease_key(node_id: str) -> str:
+    return f"leases/{check_node_id(node_id)}.json"
 
 
 def chunk_key(version: int, name: str) -> str:
@@ -108,6 +166,15 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class ChunkEntry:
+    name: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """A non-weight file of the model directory (config.json, tokenizer files), stored at
+    ``files/<xxh3_128>``."""
     name: str
     size: int
     xxh3_128: str
@@ -166,6 +233,11 @@ class Manifest:
     chunks: tuple[ChunkEntry, ...]
     blocks: tuple[BlockEntry, ...]
     changed_elements: int = 0
+    base_manifest: str | None = None
+    """Schema 2: the name of the base version's manifest object (null for a keyframe)."""
+    files: tuple[FileEntry, ...] = ()
+    """Schema 2: the complete set of non-weight files of this version, sorted by name."""
+    schema_version: int = SCHEMA_VERSION
 
     @property
     def total_elements(self) -> int:
@@ -180,9 +252,9 @@ class Manifest:
         return sum(c.size for c in self.chunks)
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        obj = {
             "format": MANIFEST_FORMAT,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "version": self.version,
             "kind": self.kind,
             "base_version": self.base_version,
@@ -201,6 +273,10 @@ class Manifest:
                         "segments": [[s.tensor, s.start, s.count, s.nnz] for s in b.segments]}
                        for b in self.blocks],
         }
+        if self.schema_version >= 2:
+            obj["base_manifest"] = self.base_manifest
+            obj["files"] = [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files]
+        return obj
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.to_obj())
@@ -233,7 +309,8 @@ def _list(obj: dict, key: str, where: str) -> list:
     return v
 
 
-def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
+def _load_json(data: bytes, where: str, limit: int, fmt: str,
+               versions: tuple[int, ...] = READABLE_SCHEMA_VERSIONS) -> dict:
     if len(data) > limit:
         raise FormatError(f"{where}: {len(data)} bytes is over the {limit}-byte limit")
     try:
@@ -245,9 +322,9 @@ def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
     if obj.get("format") != fmt:
         raise FormatError(f"{where}: 'format' must be {fmt!r}, got {obj.get('format')!r}")
     sv = obj.get("schema_version")
-    if sv != SCHEMA_VERSION:
+    if type(sv) is not int or sv not in versions:
         raise SchemaVersionError(f"{where}: schema_version {sv!r} is not supported by this reader "
-                                 f"(it reads {SCHEMA_VERSION}); upgrade xcluster")
+                                 f"(it reads {', '.join(map(str, versions))}); upgrade xcluster")
     return obj
 
 
@@ -269,6 +346,32 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                               "base_manifest_xxh3_128")
         if not keyframe_version <= base_version:
             raise FormatError(f"{where}: keyframe_version must be <= base_version")
+    schema = obj["schema_version"]
+    base_manifest = None
+    files: list[FileEntry] = []
+    if schema >= 2:
+        base_manifest = obj.get("base_manifest")
+        if kind == KEYFRAME and base_manifest is not None:
+            raise FormatError(f"{where}: a keyframe has no base_manifest")
+        if kind == DELTA:
+            try:
+                check_manifest_name(base_manifest)
+            except UnsafeNameError as exc:
+                raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
+        fnames: set[str] = set()
+        raw_files = _list(obj, "files", where)
+        if len(raw_files) > MAX_FILES:
+            raise FormatError(f"{where}: {len(raw_files)} files is over the limit of {MAX_FILES}")
+        for i, f in enumerate(raw_files):
+            fw = f"{where}: files[{i}]"
+            if not isinstance(f, dict):
+                raise FormatError(f"{fw} must be an object")
+            fname = check_file_name(f.get("name"))
+            if fname in fnames:
+                raise FormatError(f"{fw}: duplicate file name {fname!r}")
+            fnames.add(fname)
+            files.append(FileEntry(fname, _int(f, "size", fw, hi=MAX_FILE_BYTES),
+                                   _str(f, "xxh3_128", fw, pattern=_HEX128)))
 
     tensors: list[TensorEntry] = []
     seen: set[str] = set()
@@ -316,7 +419,8 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     created_unix_ms=_int(obj, "created_unix_ms", where),
                     model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
-                    changed_elements=changed)
+                    changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
+                    schema_version=schema)
 
 
 def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
@@ -425,13 +529,21 @@ class Head:
     keyframe_version: int
     manifest_xxh3_128: str
     committed_unix_ms: int
+    manifest: str = V1_MANIFEST_NAME
+    """The name of the version's manifest object under ``versions/<V>/`` (schema 1: manifest.json)."""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def manifest_key(self) -> str:
+        return manifest_key(self.version, self.manifest)
 
     def to_bytes(self) -> bytes:
-        return canonical_json({"format": HEAD_FORMAT, "schema_version": SCHEMA_VERSION,
-                               "version": self.version, "kind": self.kind,
-                               "keyframe_version": self.keyframe_version,
-                               "manifest_xxh3_128": self.manifest_xxh3_128,
-                               "committed_unix_ms": self.committed_unix_ms})
+        obj = {"format": HEAD_FORMAT, "schema_version": self.schema_version,
+               "version": self.version, "kind": self.kind, "keyframe_version": self.keyframe_version,
+               "manifest_xxh3_128": self.manifest_xxh3_128, "committed_unix_ms": self.committed_unix_ms}
+        if self.schema_version >= 2:
+            obj["manifest"] = self.manifest
+        return canonical_json(obj)
 
 
 def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
@@ -439,7 +551,68 @@ def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
     head = Head(version=_int(obj, "version", where, lo=1), kind=_str(obj, "kind", where, choices=KINDS),
                 keyframe_version=_int(obj, "keyframe_version", where, lo=1),
                 manifest_xxh3_128=_str(obj, "manifest_xxh3_128", where, pattern=_HEX128),
-                committed_unix_ms=_int(obj, "committed_unix_ms", where))
+                committed_unix_ms=_int(obj, "committed_unix_ms", where),
+                manifest=V1_MANIFEST_NAME, schema_version=obj["schema_version"])
+    if head.schema_version >= 2:
+        name = obj.get("manifest")
+        try:
+            check_manifest_name(name)
+        except UnsafeNameError as exc:
+            raise FormatError(f"{where}: field 'manifest' is invalid: {exc}") from None
+        head = replace(head, manifest=name)
     if head.keyframe_version > head.version:
         raise FormatError(f"{where}: keyframe_version {head.keyframe_version} > version {head.version}")
     return head
+
+
+# --- leases ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What one subscriber (a daemon on a rollout node) reports at ``leases/<node_id>.json``:
+    the version it holds, the version it is fetching (retention keeps both chains), and how its
+    engine is doing. Informative for ``xcluster status``; protective for ``xcluster gc``."""
+
+    node_id: str
+    version: int | None
+    """The version applied and verified (None before the first)."""
+    target_version: int | None
+    """The version being fetched/applied right now (None when idle)."""
+    model_digest: str | None
+    updated_unix_ms: int
+    engine_state: str = "none"
+    """``none`` (no engine), ``ok``, ``pending`` (a hand-off not yet done) or ``failing``."""
+    engine_version: int | None = None
+    """The version the engine last confirmed."""
+    last_error: str | None = None
+    committed_unix_ms: int | None = None
+    """HEAD's commit time of the applied version (for staleness)."""
+    head_version: int | None = None
+    """The newest HEAD this subscriber has seen."""
+
+    def to_bytes(self) -> bytes:
+        return canonical_json({
+            "format": LEASE_FORMAT, "schema_version": LEASE_SCHEMA_VERSION, "node_id": self.node_id,
+            "version": self.version, "target_version": self.target_version, "model_digest": self.model_digest,
+            "updated_unix_ms": self.updated_unix_ms, "engine_state": self.engine_state,
+            "engine_version": self.engine_version,
+            "last_error": None if self.last_error is None else self.last_error[:2000],
+            "committed_unix_ms": self.committed_unix_ms, "head_version": self.head_version})
+
+
+ENGINE_STATES = ("none", "ok", "pending", "failing")
+
+
+def parse_lease(data: bytes, *, where: str = "lease") -> Lease:
+    obj = _load_json(data, where, MAX_LEASE_BYTES, LEASE_FORMAT, versions=(LEASE_SCHEMA_VERSION,))
+    err = obj.get("last_error")
+    if err is not None and (not isinstance(err, str) or len(err) > 4000):
+        raise FormatError(f"{where}: field 'last_error' must be a string of at most 4000 characters")
+    return Lease(node_id=check_node_id(obj.get("node_id")),
+                 version=_int(obj, "version", where, lo=1, null=True),
+                 target_version=_int(obj, "target_version", where, lo=1, null=True),
+                 model_digest=_str(obj, "model_digest", where, pattern=_HEX128, null=True),
+                 updated_unix_ms=_int(obj, "updated_unix_ms", where),
+                 engine_state=_str(obj, "engine_state", where, choices=ENGINE_STATES),
+                 engine_version=_int(obj, "engine_version", where, lo=1, null=True),
+                 last_error=err, committed_unix_ms=_int(obj, "committed_unix_ms", where, null=True),
+                 head_version=_int(obj, "head_version", where, lo=1, null=True))

@@ -1,15 +1,17 @@
 """The publisher hook: turns each new state_dict into a committed version in the store.
 
-Commit protocol (docs/FORMAT.md §Commit): chunks first, then the manifest (create-once), then
-HEAD (compare-and-swap on its previous etag). A version exists for readers only once HEAD names
-it, so a publisher that dies part-way leaves nothing visible; the next publisher on the prefix
-deletes what it left behind.
+It prepares the state (names, dtypes, contiguous CPU tensors), attaches the non-weight files,
+encodes against the last committed version (codec/), uploads chunks while encoding continues,
+and hands the manifest to :mod:`xcluster.commit` (create-once manifest under a per-attempt name,
+then compare-and-swap of HEAD). A version exists for readers only once HEAD names it; a publisher
+never deletes anything HEAD could come to name, so no interruption can break a committed chain.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import os
 import secrets
 import threading
 import time
@@ -21,12 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from .codec.encode import CodecConfig, apply_update, encode_version
+from .commit import Committer
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
-from .errors import (ConfigError, ConcurrentPublisherError, ObjectNotFoundError, PreconditionFailedError,
-                     XclusterError)
-from .format import (DELTA, HEAD_KEY, KEYFRAME, MAX_MANIFEST_BYTES, ChunkEntry, Head, Manifest, check_tensor_name,
-                     chunk_key, manifest_key, parse_head, parse_manifest, version_dir, xxh3_128)
+from .errors import ConfigError, XclusterError
+from .files import FileSet, collect_files
+from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_tensor_name, chunk_key,
+                     manifest_key, manifest_name_for, parse_manifest, xxh3_128)
 from .store import Store, resolve_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,8 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 MAX_STEP = (1 << 53) - 1
-KIND_TAG = "xcluster-kind"
-"""Object tag on every chunk and manifest: ``keyframe`` or ``delta`` (bucket lifecycle rules match it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +51,10 @@ class PublisherConfig:
     max_inflight_chunks: int = 4
     """Encoded chunks held in memory waiting for upload; bounds memory at about
     ``max_inflight_chunks × codec.chunk_bytes``."""
-    orphan_grace_s: float = 30.0
-    """A manifest above HEAD older than this is taken for the leftover of a publisher that died
-    between writing it and moving HEAD (a live one does both within a request or two), and is
-    replaced. Younger ones mean another publisher is committing: ConcurrentPublisherError."""
+    keyframe_chain_fraction: float | None = 1.0
+    """Also write a keyframe once the deltas since the last keyframe add up to more than this
+    fraction of that keyframe's bytes, so a subscriber joining late downloads at most about
+    ``1 + fraction`` keyframes' worth (plus one delta). None: by ``keyframe_every`` alone."""
     background: bool = False
     """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.background.PublishTicket`);
     encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/background.py)."""
@@ -66,12 +67,15 @@ class PublisherConfig:
     is abandoned (it stays invisible). The snapshot still waiting is dropped with a warning."""
 
     def __post_init__(self) -> None:
-        if self.keyframe_every < 1:
-            raise ConfigError(f"keyframe_every must be >= 1, got {self.keyframe_every}")
+        if not 1 <= self.keyframe_every <= MAX_CHAIN:
+            raise ConfigError(
+                f"keyframe_every must be in [1, {MAX_CHAIN}], got {self.keyframe_every}: a subscriber that joins "
+                f"walks back to the newest keyframe and refuses chains longer than format.MAX_CHAIN ({MAX_CHAIN}), "
+                "so a longer interval would lock out every new node")
         if self.upload_workers < 1 or self.max_inflight_chunks < 1:
             raise ConfigError("upload_workers and max_inflight_chunks must be >= 1")
-        if self.orphan_grace_s < 0:
-            raise ConfigError(f"orphan_grace_s must be >= 0, got {self.orphan_grace_s}")
+        if self.keyframe_chain_fraction is not None and not self.keyframe_chain_fraction > 0:
+            raise ConfigError(f"keyframe_chain_fraction must be > 0 or None, got {self.keyframe_chain_fraction}")
         if self.snapshot not in ("device", "pinned"):
             raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
         if not self.close_timeout_s >= 0:
@@ -131,7 +135,8 @@ class Publisher:
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: PublisherConfig | None = None, clock: Callable[[], float] = time.time,
                  attempt_id: Callable[[], str] = lambda: secrets.token_hex(4),
-                 on_commit: Callable[[PublishResult], None] | None = None) -> None:
+                 on_commit: Callable[[PublishResult], None] | None = None,
+                 files: str | os.PathLike | Mapping[str, bytes] | None = None) -> None:
         self.store = resolve_store(url, store, "Publisher")
         self.config = config or PublisherConfig()
         self._clock = clock
@@ -139,11 +144,15 @@ class Publisher:
         self._lock = threading.Lock()
         self._base: dict[str, torch.Tensor] | None = None
         self._base_model_digest: str | None = None
-        self._base_manifest_hash: str | None = None
+        self._base_link: tuple[str, str] | None = None  # (manifest name, manifest hash) of the base
         self._keyframe_version = 0
         self._since_keyframe = 0
-        self._unsure: tuple[int, str] | None = None  # (version, manifest hash) whose HEAD write may have landed
-        self._head_version, self._head_etag = self._read_head()
+        self._keyframe_bytes = 0
+        self._chain_bytes = 0  # bytes of the deltas since the last keyframe
+        self._committer = Committer(self.store)
+        self._files = FileSet(self.store)
+        if files is not None:
+            self._files.set(collect_files(files))
         self.on_commit = on_commit
         """Called with each committed PublishResult (in background mode, from the worker thread)."""
         self.last_result: PublishResult | None = None
@@ -160,26 +169,17 @@ class Publisher:
     @property
     def version(self) -> int:
         """The newest committed version on the store, as this publisher knows it (0 = none)."""
-        return self._head_version
-
-    def _read_head(self) -> tuple[int, str | None]:
-        head, etag = self._read_head_full()
-        return (head.version if head else 0), etag
-
-    def _read_head_full(self) -> tuple[Head | None, str | None]:
-        try:
-            blob = self.store.get(HEAD_KEY)
-        except ObjectNotFoundError:
-            return None, None
-        assert blob is not None
-        return parse_head(blob.data, where=f"{self.store.url}/{HEAD_KEY}"), blob.etag
+        return self._committer.version
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
-                keyframe: bool | None = None, dtype: torch.dtype | None = None) -> PublishResult | PublishTicket:
+                keyframe: bool | None = None, dtype: torch.dtype | None = None,
+                files: str | os.PathLike | Mapping[str, bytes] | None = None) -> PublishResult | PublishTicket:
         """Encode, upload and commit ``state_dict`` as the next version; returns once committed.
 
         ``keyframe=True`` forces a keyframe (e.g. after a subscriber reported a bad apply).
         ``dtype`` converts floating-point tensors first (e.g. fp32 master weights → bfloat16).
+        ``files`` (a model directory, whose non-weight files are taken, or name → bytes) replaces
+        the non-weight files from this version on; they are uploaded only when they change.
         On failure nothing becomes visible and the next call retries the same version number.
         In background mode, returns a :class:`~xcluster.background.PublishTicket` once the
         weights are snapshotted (see xcluster/background.py).
@@ -188,6 +188,9 @@ class Publisher:
                                  or not 0 <= int(step) <= MAX_STEP):
             raise ConfigError(f"step must be an integer in [0, 2**53-1] or None, got {step!r}")
         step = None if step is None else int(step)
+        if files is not None:
+            with self._lock:
+                self._files.set(collect_files(files))
         if self.background is not None:
             return self.background.submit(state_dict, step=step, keyframe=keyframe, dtype=dtype)
         if dtype is not None:
@@ -229,146 +232,84 @@ class Publisher:
         t0 = time.perf_counter()
         cfg = self.config
         new = prepare_state(state_dict)
-        if self._unsure is not None:  # the last HEAD write may or may not have landed: look again
-            self._head_version, self._head_etag = self._read_head()
+        c = self._committer
+        if c.unsure:  # the last HEAD write may or may not have landed: look again, start a new chain
+            c.refresh()
+            self._base = None
         names = sorted(new)
         with ThreadPoolExecutor(max_workers=cfg.codec.workers) as pool:
             digests = dict(zip(names, pool.map(lambda n: tensor_digest(new[n]), names)))
         mdigest = model_digest_from((n, dtype_name(new[n].dtype), tuple(new[n].shape), digests[n]) for n in names)
-        version = self._head_version + 1
+        version = c.version + 1
         is_key = (self._base is None or force_keyframe is True
-                  or (force_keyframe is None and self._since_keyframe + 1 >= cfg.keyframe_every))
-        written: list[str] = []
-        keep_objects = False
+                  or (force_keyframe is None and self._keyframe_due()))
+        attempt = self._attempt_id()
+        mname = manifest_name_for(attempt)
         tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
+        chunks: list[str] = []
+        manifest_attempted = False
         try:
+            file_bytes = self._files.upload()
             encoded, uploaded = self._encode_and_upload(version, new, digests, None if is_key else self._base,
-                                                        written, tags)
+                                                        chunks, tags, attempt)
+            assert is_key or self._base_link is not None
             manifest = Manifest(
                 version=version, kind=KEYFRAME if is_key else DELTA,
-                base_version=None if is_key else self._head_version,
+                base_version=None if is_key else c.version,
                 base_model_digest=None if is_key else self._base_model_digest,
-                base_manifest_xxh3_128=None if is_key else self._base_manifest_hash,
+                base_manifest_xxh3_128=None if is_key else self._base_link[1],
+                base_manifest=None if is_key else self._base_link[0],
                 keyframe_version=version if is_key else self._keyframe_version,
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements)
+                changed_elements=encoded.changed_elements, files=self._files.entries)
             mbytes = manifest.to_bytes()
-            parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version)}")  # never commit what no reader takes
+            parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version, mname)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
-            self._create_manifest(version, mbytes, tags)
-            written.append(manifest_key(version))
             committed = self._clock()
             head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
-                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000)).to_bytes()
-            try:
-                if self._head_etag is None:
-                    etag = self.store.put(HEAD_KEY, head, if_none_match=True)
-                else:
-                    etag = self.store.put(HEAD_KEY, head, if_match=self._head_etag)
-            except PreconditionFailedError as exc:
-                raise ConcurrentPublisherError(
-                    f"{self.store.url}/{HEAD_KEY} moved under this publisher (expected version "
-                    f"{self._head_version}): another publisher committed to this prefix") from exc
-            except Exception:
-                etag = self._head_landed(version, mhash)  # a timeout does not say the write failed
-                if etag is None:
-                    keep_objects = self._unsure is not None
-                    raise
+                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000), manifest=mname)
+            manifest_attempted = True
+            outcome = c.commit(head, mbytes, tags=tags)
         except BaseException:
-            if not keep_objects:
-                self._delete(written)
+            # Before the manifest write nothing can name these chunks; after it, HEAD might come
+            # to name the manifest (a write that timed out can still land): keep everything.
+            if not manifest_attempted:
+                c.delete_uncommitted_chunks(chunks)
+            if c.unsure:
+                self._base = None
             raise
         # committed: advance our view and bring the private base up to date
-        self._unsure = None
-        self._head_version, self._head_etag = version, etag
+        delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
         if is_key:
             self._base = {n: t.clone() for n, t in new.items()}
             self._keyframe_version, self._since_keyframe = version, 0
+            self._keyframe_bytes, self._chain_bytes = delta_bytes, 0
         else:
             assert self._base is not None
             apply_update(self._base, new, encoded.update)
             self._since_keyframe += 1
-        self._base_model_digest, self._base_manifest_hash = mdigest, mhash
-        self._sweep(version, {manifest_key(version)} | {chunk_key(version, c.name) for c in manifest.chunks})
+            self._chain_bytes += delta_bytes
+        self._base_model_digest, self._base_link = mdigest, (mname, mhash)
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,
-            model_bytes=manifest.model_bytes, bytes_written=uploaded + len(mbytes) + len(head),
+            model_bytes=manifest.model_bytes, bytes_written=delta_bytes + file_bytes,
             publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest)
 
-    # --- commit helpers -----------------------------------------------------------------------
-    def _create_manifest(self, version: int, mbytes: bytes, tags: dict[str, str]) -> None:
-        """Create-once write of the manifest; an orphan left by a dead publisher is replaced."""
-        key = manifest_key(version)
-        for attempt in range(2):
-            try:
-                self.store.put(key, mbytes, if_none_match=True, tags=tags)
-                return
-            except PreconditionFailedError as exc:
-                if attempt or not self._is_orphan(version):
-                    raise ConcurrentPublisherError(
-                        f"{self.store.url}/{key} already exists and is not an orphan: another publisher is "
-                        "committing to this prefix; run one publisher per prefix") from exc
-                log.warning("replacing %s/%s, left uncommitted by a publisher that died", self.store.url, key)
-                self.store.delete(key)
-
-    def _is_orphan(self, version: int) -> bool:
-        """Is the existing manifest of ``version`` dead: still above HEAD, and ours from an
-        uncertain attempt, unreadable, or older than ``orphan_grace_s``?"""
-        if self._read_head()[0] >= version:
-            return False
-        try:
-            data = self.store.get_range(manifest_key(version), 0, MAX_MANIFEST_BYTES + 1)
-        except ObjectNotFoundError:
+    def _keyframe_due(self) -> bool:
+        cfg = self.config
+        if self._since_keyframe + 1 >= cfg.keyframe_every:
             return True
-        if self._unsure == (version, xxh3_128(data)):
-            return True
-        try:
-            created = parse_manifest(data).created_unix_ms / 1000
-        except XclusterError:
-            return True  # no live publisher writes a manifest that does not parse
-        return self._clock() - created > self.config.orphan_grace_s
+        frac = cfg.keyframe_chain_fraction
+        return frac is not None and self._chain_bytes > frac * self._keyframe_bytes
 
-    def _head_landed(self, version: int, mhash: str) -> str | None:
-        """After a HEAD write failed without a verdict: the new etag if it landed, else None.
-        Leaves ``_unsure`` set when HEAD cannot be read either."""
-        try:
-            head, etag = self._read_head_full()
-        except Exception:
-            log.warning("HEAD write for version %d failed and HEAD cannot be read: outcome unknown", version)
-            self._unsure, self._base = (version, mhash), None  # next publish: re-read HEAD, keyframe
-            return None
-        if head is not None and head.version == version and head.manifest_xxh3_128 == mhash:
-            log.warning("HEAD write for version %d reported failure but landed", version)
-            return etag
-        self._unsure = None
-        return None
-
-    def _delete(self, keys: list[str]) -> None:
-        for key in keys:
-            try:
-                self.store.delete(key)
-            except Exception:  # best effort: the orphan rules clean the rest
-                log.warning("could not delete %s after a failed publish", key, exc_info=True)
-
-    def _sweep(self, version: int, keep: set[str]) -> None:
-        """Delete objects under the committed version's directory that its manifest does not name:
-        chunks of earlier failed attempts at this version number."""
-        try:
-            stale = [k for k in self.store.list(version_dir(version) + "/") if k not in keep]
-        except Exception:
-            log.warning("could not list %s to sweep old attempts", version_dir(version), exc_info=True)
-            return
-        if stale:
-            log.info("deleting %d objects of failed attempts at version %d", len(stale), version)
-            self._delete(stale)
-
-    def _encode_and_upload(self, version, new, digests, base, written: list[str], tags: dict[str, str]):
+    def _encode_and_upload(self, version, new, digests, base, written: list[str], tags: dict[str, str],
+                           attempt: str):
         cfg = self.config
         # Chunk names are unique to this attempt, so a publisher that loses the race for a
         # version number (or retries one) never overwrites or deletes another attempt's chunks.
-        prefix = f"c{self._attempt_id()}"
+        prefix = f"c{attempt}"
         slots = threading.BoundedSemaphore(cfg.max_inflight_chunks)
         futures: list[Future] = []
         total = 0

@@ -1,30 +1,35 @@
 """The subscriber: follows a store and holds verified weights.
 
-``sync()`` walks HEAD's chain back to the version it holds (or to the newest keyframe), then
-applies each version: fetch chunks in parallel, verify every chunk checksum, decode, apply,
-verify every digest. Any failure undoes that version and raises a named error; the weights
-stay those of the last version that verified.
+``sync()`` polls HEAD (one conditional GET when nothing is new), walks HEAD's chain back to the
+version it holds (or to the newest keyframe) with :mod:`xcluster.chain`, then applies each
+version: fetch chunks in parallel (no lock held), verify every chunk checksum, then — under the
+state lock — decode, patch in place, verify every digest. Any failure or interrupt undoes that
+version only after every worker has stopped, and raises; the weights stay those of the last
+version that verified. ``snapshot()`` reads weights, version and digest together.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from .chain import Link, LinkedManifest, find_link, poll_head, walk_back
 from .codec.decode import Fill, Patch, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
-from .dtypes import np_bits, torch_dtype
+from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
-                     DigestMismatchError,
-                     FormatError, IntegrityError, ObjectNotFoundError, TruncatedObjectError)
-from .format import (HEAD_KEY, INIT_BASE, KEYFRAME, MAX_MANIFEST_BYTES, Head, Manifest, chunk_key, manifest_key,
-                     parse_head, parse_manifest, xxh3_128)
+                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, RollbackError,
+                     TruncatedObjectError)
+from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, chunk_key, parse_manifest, xxh3_128
 from .store import Store, resolve_store
 
 log = logging.getLogger(__name__)
@@ -37,21 +42,26 @@ class SubscriberConfig:
     decode_workers: int = 2
     """Threads decoding blocks and hashing tensors."""
     integrity_retries: int = 2
-    """A chunk whose bytes fail their checksum is fetched again this many times before the
-    version is refused with ChecksumMismatchError."""
+    """A chunk or manifest whose bytes fail their checksum is fetched again this many times
+    before the version is refused with ChecksumMismatchError."""
     max_model_bytes: int = 1 << 40
     """Refuse a manifest whose weights would need more memory than this (checked before allocating)."""
-    max_chain: int = 4096
-    """Refuse to walk more than this many manifests back from HEAD."""
-    prefetch_next_manifest: bool = True
-    """Fetch the next version's manifest together with each HEAD poll (one GET more per poll,
-    usually a 404), so a new version is applied one round trip sooner."""
+    max_chain: int = MAX_CHAIN
+    """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
+    shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
+    accepts every chain a conforming publisher writes; a smaller value trades late-join cost for
+    refusing stores whose ``keyframe_every`` exceeds it."""
+    chunk_cache_dir: str | None = None
+    """Keep verified chunks here until their version is applied, so a process killed halfway
+    through a big version resumes without fetching them again. None: chunks live in memory only."""
 
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
             raise ConfigError("fetch_workers and decode_workers must be >= 1")
         if self.integrity_retries < 0:
             raise ConfigError("integrity_retries must be >= 0")
+        if not 1 <= self.max_chain <= MAX_CHAIN:
+            raise ConfigError(f"max_chain must be in [1, {MAX_CHAIN}] (format.MAX_CHAIN), got {self.max_chain}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,49 @@ class AppliedVersion:
     applied_unix: float
     bytes_fetched: int
     seconds: float
+    fetch_seconds: float = 0.0
+    """Fetching and checking the chunks (no lock held)."""
+    apply_seconds: float = 0.0
+    """Decoding, patching and verifying digests (under the state lock)."""
+    committed_unix_ms: int | None = None
+    """HEAD's commit time, when this version is the HEAD that was polled."""
+    manifest_xxh3_128: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Weights and the version they are, read together (one lock acquisition)."""
+
+    state: dict[str, torch.Tensor]
+    version: int | None
+    model_digest: str | None
+    manifest: Manifest | None
+    manifest_xxh3_128: str | None
+    manifest_data: bytes | None = None
+    """The manifest's bytes as stored (what :meth:`Subscriber.restore` takes back)."""
+
+
+@dataclass
+class SubscriberStats:
+    """Counters since the subscriber was created (the daemon exports them as metrics)."""
+
+    bytes_fetched: int = 0
+    chunk_cache_hits: int = 0
+    refetches: int = 0
+    checksum_failures: int = 0
+    versions_applied: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    manifest: Manifest
+    xxh3_128: str
+    digests: dict[str, str] = field(default_factory=dict)
+    data: bytes = b""
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
 
 class Subscriber:
@@ -71,186 +124,221 @@ class Subscriber:
         self.store = resolve_store(url, store, "Subscriber")
         self.config = config or SubscriberConfig()
         self.on_apply = on_apply
-        self._lock = threading.RLock()
+        self.on_chunk: Callable[[Manifest, int], None] | None = None
+        """Called from fetch threads with each verified chunk's size (progress bars)."""
+        self.stats = SubscriberStats()
+        self._sync_lock = threading.Lock()  # one sync at a time
+        self._lock = threading.RLock()  # guards what is held; taken while patching, never while fetching
         self._state: dict[str, torch.Tensor] = {}
-        self._digests: dict[str, str] = {}
-        self._manifest: Manifest | None = None
-        self._manifest_hash: str | None = None
+        self._held: _Held | None = None
         self._head_etag: str | None = None
         self._head: Head | None = None
-        self._prefetched: tuple[int, bytes] | None = None
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xc-prefetch")
 
     # --- what it holds ------------------------------------------------------------------------
     @property
     def version(self) -> int | None:
-        return self._manifest.version if self._manifest else None
+        held = self._held
+        return held.version if held else None
 
     @property
     def model_digest(self) -> str | None:
-        return self._manifest.model_digest if self._manifest else None
+        held = self._held
+        return held.manifest.model_digest if held else None
 
     @property
     def manifest(self) -> Manifest | None:
-        return self._manifest
+        held = self._held
+        return held.manifest if held else None
+
+    @property
+    def head(self) -> Head | None:
+        """The HEAD seen by the last poll."""
+        return self._head
+
+    def snapshot(self, *, copy: bool = True) -> Snapshot:
+        """Weights, version and digest read together. With ``copy=False`` the tensors are the
+        subscriber's own: valid only until the next ``sync()`` patches them."""
+        with self._lock:
+            held = self._held
+            state = {n: t.clone() for n, t in self._state.items()} if copy else dict(self._state)
+            if held is None:
+                return Snapshot(state=state, version=None, model_digest=None, manifest=None, manifest_xxh3_128=None)
+            return Snapshot(state=state, version=held.version, model_digest=held.manifest.model_digest,
+                            manifest=held.manifest, manifest_xxh3_128=held.xxh3_128, manifest_data=held.data)
 
     def state_dict(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
-        """The current verified weights. With ``copy=False`` the subscriber's own tensors are
-        returned: valid only until the next ``sync()``, which patches them in place."""
-        with self._lock:
-            if copy:
-                return {n: t.clone() for n, t in self._state.items()}
-            return dict(self._state)
+        """The current verified weights (see :meth:`snapshot` to read their version with them)."""
+        return self.snapshot(copy=copy).state
+
+    def restore(self, state: Mapping[str, torch.Tensor], manifest_data: bytes) -> int:
+        """Start from weights kept elsewhere (the daemon's model directory after a restart) and
+        the bytes of the manifest they are said to be: every tensor is re-hashed and must match
+        the manifest, or :class:`DigestMismatchError` is raised and nothing changes. Returns the
+        version now held; later ``sync()`` calls apply only what comes after it."""
+        m = parse_manifest(manifest_data, where="restored manifest")
+        where = f"restored version {m.version}"
+        if set(state) != {t.name for t in m.tensors}:
+            raise DigestMismatchError(f"{where}: tensor names differ from the manifest's")
+        tensors: dict[str, torch.Tensor] = {}
+        for t in m.tensors:
+            cur = state[t.name]
+            if dtype_name(cur.dtype) != t.dtype or tuple(cur.shape) != t.shape:
+                raise DigestMismatchError(f"{where}: {t.name} is {dtype_name(cur.dtype)}{tuple(cur.shape)}, the "
+                                          f"manifest says {t.dtype}{t.shape}")
+            tensors[t.name] = cur.detach().contiguous()
+        with ThreadPoolExecutor(max_workers=self.config.decode_workers) as pool:
+            got = dict(zip(tensors, pool.map(tensor_digest, tensors.values())))
+        for t in m.tensors:
+            if got[t.name] != t.digest:
+                raise DigestMismatchError(f"{where}: {t.name} hashes to {got[t.name]}, the manifest says {t.digest}")
+        if model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors) != m.model_digest:
+            raise DigestMismatchError(f"{where}: the manifest's model digest does not match its tensors")
+        with self._sync_lock, self._lock:
+            self._state = tensors
+            self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
+        return m.version
 
     # --- following ----------------------------------------------------------------------------
     def poll(self) -> Head | None:
-        """The newest committed HEAD (one conditional GET when unchanged); None while empty."""
-        try:
-            blob = self.store.get(HEAD_KEY, if_none_match=self._head_etag)
-        except ObjectNotFoundError:
-            return None
-        if blob is not None:
-            self._head = parse_head(blob.data, where=f"{self.store.url}/{HEAD_KEY}")
-            self._head_etag = blob.etag
+        """The newest committed HEAD: one conditional GET, which costs no body when unchanged."""
+        r = poll_head(self.store, self._head_etag)
+        if r is not None:
+            self._head, self._head_etag = r
         return self._head
 
     def sync(self, *, until: int | None = None) -> int | None:
         """Apply every committed version up to HEAD (or up to ``until``); returns the version now
-        held (None while the store is empty)."""
-        with self._lock:
-            head = self._poll_and_prefetch()
+        held (None while the store is empty). A HEAD below what is held raises
+        :class:`RollbackError` and changes nothing."""
+        with self._sync_lock:
+            head = self.poll()
             if head is None:
                 return self.version
-            target, expect = head.version, head.manifest_xxh3_128
+            held = self._held
+            target = Link.of_head(head)
             if until is not None and until < head.version:
-                target, expect = until, self._hash_of(until, head)
-            if target == self.version and expect == self._manifest_hash:
-                return self.version
-            if self.version is not None and target < self.version:
-                raise ConfigError(f"this subscriber holds version {self.version}; it cannot go back to {target}")
-            # (same number, other manifest: the prefix was re-published; the walk back finds out)
-            for manifest, mhash in self._plan(target, expect):
-                self._apply(manifest, mhash)
+                target = find_link(self.store, head, until, max_chain=self.config.max_chain,
+                                   retries=self.config.integrity_retries)
+            if held is not None:
+                if target.version == held.version and target.xxh3_128 == held.xxh3_128:
+                    return held.version
+                if target.version < held.version:
+                    raise RollbackError(
+                        f"{self.store.url}: HEAD names version {target.version} but this subscriber already "
+                        f"holds version {held.version}: the store was rolled back or replaced by an older copy; "
+                        f"it keeps serving version {held.version} and refuses to go backwards")
+            # a chain longer than max_chain is refused before any manifest is read
+            if (held is None or held.version < head.keyframe_version) and target.version == head.version \
+                    and head.version - head.keyframe_version + 1 > self.config.max_chain:
+                raise ChainBrokenError(
+                    f"{self.store.url}: HEAD {head.version} is {head.version - head.keyframe_version} deltas past "
+                    f"its keyframe, more than max_chain ({self.config.max_chain}) allows")
+
+            def reaches_held(lm: LinkedManifest) -> bool:
+                m = lm.manifest
+                return (held is not None and m.base_version == held.version
+                        and m.base_manifest_xxh3_128 == held.xxh3_128)
+
+            def count_retry(_msg: str) -> None:
+                self.stats.refetches += 1
+                self.stats.checksum_failures += 1
+
+            plan = walk_back(self.store, target, stop=reaches_held, max_chain=self.config.max_chain,
+                             retries=self.config.integrity_retries, on_retry=count_retry)
+            for lm in plan:
+                self._apply(lm, head)
             return self.version
 
-    def _poll_and_prefetch(self) -> Head | None:
-        """Poll HEAD and, at the same time, fetch the manifest of the next version if it already
-        exists: when HEAD moves to it, the manifest is in hand one round trip sooner. It is used
-        only once HEAD names it and its hash matches; until then it is nothing."""
-        self._prefetched = None
-        nxt = (self.version or 0) + 1
-        if not self.config.prefetch_next_manifest or self.version is None:
-            return self.poll()
-        pool = self._prefetch_pool
-        fut = pool.submit(self.store.get_range, manifest_key(nxt), 0, MAX_MANIFEST_BYTES + 1)
-        try:
-            head = self.poll()
-        finally:
-            try:
-                self._prefetched = (nxt, fut.result())
-            except Exception:  # not there yet (the usual case) or unreadable: fetch it normally later
-                self._prefetched = None
-        return head
+    # --- fetching (no lock held: readers of the current weights are never kept waiting) ------
+    def _cache_path(self, m: Manifest, mhash: str, name: str) -> Path | None:
+        root = self.config.chunk_cache_dir
+        return None if root is None else Path(root) / f"{m.version:012d}-{mhash[:16]}" / name
 
-    def _hash_of(self, version: int, head: Head) -> str:
-        """The manifest hash of an older committed ``version``, from the links back from HEAD.
-        A version behind the newest keyframe is not linked: its manifest is taken as stored."""
-        v, expect = head.version, head.manifest_xxh3_128
-        while v > version:
-            m, _ = self._read_manifest(v, expect)
-            if m.kind == KEYFRAME:
-                key = manifest_key(version)
-                try:
-                    return xxh3_128(self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1))
-                except ObjectNotFoundError:
-                    raise ChainBrokenError(f"{self.store.url}/{key} does not exist") from None
-            assert m.base_version is not None and m.base_manifest_xxh3_128 is not None
-            v, expect = m.base_version, m.base_manifest_xxh3_128
-        if v != version:
-            raise ChainBrokenError(f"version {version} is not on the chain back from HEAD {head.version}")
-        return expect
-
-    def _read_manifest(self, version: int, expect_hash: str) -> tuple[Manifest, str]:
-        key = manifest_key(version)
-        where = f"{self.store.url}/{key}"
-        for attempt in range(self.config.integrity_retries + 1):
-            pre, self._prefetched = self._prefetched, None
-            try:  # bounded read: a hostile object cannot make us allocate more than the limit
-                if pre is not None and pre[0] == version and attempt == 0:
-                    data = pre[1]
-                else:
-                    data = self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
-            except ObjectNotFoundError:
-                raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
-                                       "(retention removed it?); the next keyframe repairs this") from None
-            got = xxh3_128(data)
-            if got == expect_hash:
-                break
-            log.warning("%s hashes to %s, expected %s (attempt %d of %d)", where, got, expect_hash,
-                        attempt + 1, self.config.integrity_retries + 1)
-        else:
-            raise ChecksumMismatchError(f"{where} hashes to {got}, its successor says {expect_hash}: "
-                                        "the manifest is corrupt or was replaced")
-        m = parse_manifest(data, where=where)
-        if m.version != version:
-            raise FormatError(f"{where} says it is version {m.version}")
-        return m, got
-
-    def _plan(self, version: int, expect: str) -> list[tuple[Manifest, str]]:
-        """Manifests to apply, oldest first: back from ``version`` to ours or to a keyframe."""
-        chain: list[tuple[Manifest, str]] = []
-        v = version
-        while True:
-            if len(chain) >= self.config.max_chain:
-                raise ChainBrokenError(f"more than {self.config.max_chain} versions between HEAD and a keyframe")
-            m, h = self._read_manifest(v, expect)
-            chain.append((m, h))
-            if m.kind == KEYFRAME:
-                break
-            assert m.base_version is not None and m.base_manifest_xxh3_128 is not None
-            if m.base_version == self.version:
-                if m.base_manifest_xxh3_128 != self._manifest_hash:
-                    raise BaseMismatchError(
-                        f"version {m.version} builds on a version {m.base_version} that is not the one this "
-                        "subscriber holds (the prefix was re-published?); it will reload at the next keyframe")
-                break
-            v, expect = m.base_version, m.base_manifest_xxh3_128
-        chain.reverse()
-        return chain
-
-    # --- applying -----------------------------------------------------------------------------
-    def _fetch_chunk(self, m: Manifest, i: int) -> bytes:
+    def _fetch_chunk(self, m: Manifest, mhash: str, i: int) -> bytes:
         c = m.chunks[i]
         key = chunk_key(m.version, c.name)
         where = f"{self.store.url}/{key}"
+        cached = self._cache_path(m, mhash, c.name)
+        if cached is not None and cached.is_file() and cached.stat().st_size == c.size:
+            data = cached.read_bytes()
+            if xxh3_128(data) == c.xxh3_128:
+                self.stats.chunk_cache_hits += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
+                return data
         err: IntegrityError | None = None
         for attempt in range(self.config.integrity_retries + 1):
             try:  # one byte more than expected tells "too long" without reading a hostile object whole
                 data = self.store.get_range(key, 0, c.size + 1)
             except ObjectNotFoundError:
                 raise ChainBrokenError(f"{where} is missing: version {m.version} cannot be applied") from None
+            self.stats.bytes_fetched += len(data)
             if len(data) != c.size:
                 err = TruncatedObjectError(f"{where} is {len(data)} bytes, the manifest says {c.size}")
             elif (got := xxh3_128(data)) != c.xxh3_128:
+                self.stats.checksum_failures += 1
                 err = ChecksumMismatchError(f"{where} hashes to {got}, the manifest says {c.xxh3_128}: "
                                             "corrupt in storage or in transit")
             else:
+                if cached is not None:
+                    _write_atomic(cached, data)
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
                 return data
+            if attempt < self.config.integrity_retries:
+                self.stats.refetches += 1
             log.warning("%s (attempt %d of %d)", err, attempt + 1, self.config.integrity_retries + 1)
         assert err is not None
         raise err
 
-    def _apply(self, m: Manifest, mhash: str) -> None:
+    def _fetch_all(self, m: Manifest, mhash: str) -> list[bytes]:
+        with ThreadPoolExecutor(max_workers=self.config.fetch_workers, thread_name_prefix="xc-fetch") as pool:
+            return _run_all(pool, lambda i: self._fetch_chunk(m, mhash, i), len(m.chunks))
+
+    def prune_chunk_cache(self) -> None:
+        """Drop cached chunks of versions up to the one held (they were applied)."""
+        root, held = self.config.chunk_cache_dir, self._held
+        if root is None or held is None or not os.path.isdir(root):
+            return
+        for d in os.listdir(root):
+            head = d.split("-", 1)[0]
+            if head.isdigit() and int(head) <= held.version:
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+    # --- applying -----------------------------------------------------------------------------
+    def _apply(self, lm: LinkedManifest, head: Head) -> None:
         t0 = time.perf_counter()
-        cfg = self.config
-        where = f"{self.store.url}/{manifest_key(m.version)}"
-        if m.model_bytes > cfg.max_model_bytes:
+        m, mhash = lm.manifest, lm.link.xxh3_128
+        where = f"{self.store.url}/{lm.link.key}"
+        if m.model_bytes > self.config.max_model_bytes:
             raise FormatError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
-                              f"({cfg.max_model_bytes})")
+                              f"({self.config.max_model_bytes})")
+        chunks = self._fetch_all(m, mhash)
+        t1 = time.perf_counter()
+        with self._lock:
+            self._patch_and_verify(m, mhash, chunks, where, lm.data)
+        del chunks
+        self.stats.versions_applied += 1
+        self.prune_chunk_cache()
+        t2 = time.perf_counter()
+        ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
+                            bytes_fetched=m.chunk_bytes, seconds=t2 - t0, fetch_seconds=t1 - t0,
+                            apply_seconds=t2 - t1, manifest_xxh3_128=mhash,
+                            committed_unix_ms=head.committed_unix_ms if head.version == m.version else None)
+        log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
+        if self.on_apply is not None:
+            self.on_apply(ev)
+
+    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
+        """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or
+        interrupt every patch is undone, after every worker has stopped."""
+        held = self._held
         is_key = m.kind == KEYFRAME
-        if not is_key and (m.base_version != self.version or m.base_model_digest != self.model_digest):
+        if not is_key and (held is None or m.base_version != held.version
+                           or m.base_manifest_xxh3_128 != held.xxh3_128):
             raise BaseMismatchError(f"{where}: delta on version {m.base_version} ({m.base_model_digest}) but "
                                     f"this subscriber holds {self.version} ({self.model_digest})")
+        digests = held.digests if held is not None and not is_key else {}
         # tensors of the new state: patched in place (init base) or fresh (init none)
         target: list[torch.Tensor] = []
         for t in m.tensors:
@@ -263,46 +351,37 @@ class Subscriber:
             else:
                 target.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype)))
         applied: list[tuple[torch.Tensor, Patch]] = []
+        plock = threading.Lock()
+        touched = {s.tensor for b in m.blocks for s in b.segments}
+
+        def run_block(bi: int) -> None:
+            b = m.blocks[bi]
+            ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}")
+            for op in ops:  # decoded and bounds-checked whole before any of it is applied
+                tgt = target[op.tensor]
+                if isinstance(op, Fill):
+                    fill(tgt, op)
+                else:
+                    patch(tgt, op)
+                    with plock:
+                        applied.append((tgt, op))
+
         ok = False
-        with ThreadPoolExecutor(max_workers=cfg.fetch_workers, thread_name_prefix="xc-fetch") as fetch_pool, \
-                ThreadPoolExecutor(max_workers=cfg.decode_workers, thread_name_prefix="xc-decode") as pool:
+        with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
             try:
-                chunks = list(fetch_pool.map(lambda i: self._fetch_chunk(m, i), range(len(m.chunks))))
-                touched: set[int] = set()
-                plock = threading.Lock()
-
-                def run_block(bi: int) -> None:
-                    b = m.blocks[bi]
-                    ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}")
-                    for op in ops:  # decoded and bounds-checked whole before any of it is applied
-                        tgt = target[op.tensor]
-                        if isinstance(op, Fill):
-                            fill(tgt, op)
-                        else:
-                            patch(tgt, op)
-                            with plock:
-                                applied.append((tgt, op))
-
-                for b in m.blocks:
-                    touched.update(s.tensor for s in b.segments)
-                # every block runs to its end (done or failed) before we judge, so nothing is
-                # still patching while a failure is being undone
-                futures = [pool.submit(run_block, bi) for bi in range(len(m.blocks))]
-                wait(futures)
-                for f in futures:
-                    f.result()
-                del chunks
+                _run_all(pool, run_block, len(m.blocks))
                 for i, t in enumerate(m.tensors):
                     if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
                         raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")
                 # verify: hash what changed; what did not change keeps the digest we verified before
                 idx = sorted(touched | {i for i, t in enumerate(m.tensors) if t.init != INIT_BASE})
-                for i, got in zip(idx, pool.map(lambda i: tensor_digest(target[i]), idx)):
+                hashed = _run_all(pool, lambda k: tensor_digest(target[idx[k]]), len(idx))
+                for i, got in zip(idx, hashed):
                     if got != m.tensors[i].digest:
                         raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} after applying, "
                                                   f"the manifest says {m.tensors[i].digest}")
                 for i, t in enumerate(m.tensors):
-                    if i not in touched and t.init == INIT_BASE and self._digests.get(t.name) != t.digest:
+                    if i not in touched and t.init == INIT_BASE and digests.get(t.name) != t.digest:
                         raise DigestMismatchError(f"{where}: {t.name} is unchanged but the manifest's digest "
                                                   "differs from the verified base")
                 got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
@@ -310,14 +389,50 @@ class Subscriber:
                     raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
                 ok = True
             finally:
-                if not ok:
-                    for tgt, op in reversed(applied):
-                        patch(tgt, op, undo=True)
+                if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
+                    _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
         self._state = {t.name: target[i] for i, t in enumerate(m.tensors)}
-        self._digests = {t.name: t.digest for t in m.tensors}
-        self._manifest, self._manifest_hash = m, mhash
-        ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
-                            bytes_fetched=m.chunk_bytes, seconds=time.perf_counter() - t0)
-        log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
-        if self.on_apply is not None:
-            self.on_apply(ev)
+        self._held = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data)
+
+
+def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
+    """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
+    call has finished or was cancelled before starting, even if this thread is interrupted
+    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then."""
+    futures: list[Future] = [pool.submit(fn, i) for i in range(n)]
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the workers stopped
+            interrupt = interrupt or exc
+            for f in futures:
+                f.cancel()
+    if interrupt is not None:
+        raise interrupt
+    return [f.result() for f in futures]
+
+
+def _shielded(fn: Callable[[], object]) -> None:
+    """Run ``fn`` to its end on another thread, whatever interrupts this one; then re-raise."""
+    t = threading.Thread(target=fn, name="xc-undo")
+    t.start()
+    interrupt: BaseException | None = None
+    while t.is_alive():
+        try:
+            t.join()
+        except BaseException as exc:  # noqa: BLE001 - re-raised once fn is done
+            interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""Publisher and subscriber in separate processes on one store directory."""
+"""Publisher and rollout daemon (in-process, examples/rollout_follow.py) in separate processes on one store."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_trainer_and_rollout_processes(tmp_path):
     steps = 12
     follower = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "rollout_follow.py"), "--store", store,
-         "--until-version", str(steps), "--poll", "0.01", "--timeout", "120"],
+         "--out", str(tmp_path / "rollout"), "--until-version", str(steps), "--poll", "0.01", "--timeout", "120"],
         stdout=subprocess.PIPE, text=True)
     trainer = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "trainer_hook.py"), "--store", store, "--steps", str(steps),
@@ -41,3 +41,10 @@ def test_trainer_and_rollout_processes(tmp_path):
     late = Subscriber(store)
     assert late.sync() == steps
     assert late.model_digest == want[steps]
+    # and the rollout node's current model directory holds exactly that version
+    from xcluster import model_digest
+    from xcluster.follow.modeldir import ModelDir
+
+    md = ModelDir(tmp_path / "rollout")
+    assert md.current_version() == steps
+    assert model_digest(md.load(steps)[0]) == want[steps]

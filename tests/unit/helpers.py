@@ -25,3 +25,12 @@ def assert_state_equal(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
         assert bits_equal(got[k], want[k]), k
+
+
+def mkey(store, version: int) -> str:
+    """The key of the committed manifest of ``version`` (named by HEAD's chain; manifests have
+    per-attempt names)."""
+    from xcluster.chain import find_link, read_head
+
+    head, _ = read_head(store)
+    return find_link(store, head, version).key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 
 import pytest
@@ -11,9 +12,9 @@ from xcluster import Publisher, PublisherConfig, Subscriber
 from xcluster.errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, DecodeError,
                              DecompressionBombError, FormatError, SchemaVersionError, TruncatedObjectError,
                              UnsafeNameError, XclusterError)
-from xcluster.format import HEAD_KEY, Head, chunk_key, manifest_key, parse_head, parse_manifest, xxh3_128
+from xcluster.format import HEAD_KEY, Head, chunk_key, parse_head, parse_manifest, xxh3_128
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, mkey
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -38,13 +39,12 @@ def env(tmp_path):
 
 def rewrite_manifest(store, version: int, mutate) -> None:
     """What an attacker with write access would do: change a manifest and keep HEAD consistent."""
-    obj = json.loads(store.get(manifest_key(version)).data)
+    obj = json.loads(store.get(mkey(store, version)).data)
     mutate(obj)
     data = json.dumps(obj).encode()
-    store.put(manifest_key(version), data)
+    store.put(mkey(store, version), data)
     head = parse_head(store.get(HEAD_KEY).data)
-    store.put(HEAD_KEY, Head(head.version, head.kind, head.keyframe_version, xxh3_128(data),
-                             head.committed_unix_ms).to_bytes())
+    store.put(HEAD_KEY, replace(head, manifest_xxh3_128=xxh3_128(data)).to_bytes())
 
 
 def assert_untouched(sub, before_digest):
@@ -54,7 +54,7 @@ def assert_untouched(sub, before_digest):
 
 
 def first_chunk(store, version: int) -> str:
-    m = parse_manifest(store.get(manifest_key(version)).data)
+    m = parse_manifest(store.get(mkey(store, version)).data)
     return chunk_key(version, m.chunks[0].name)
 
 
@@ -113,10 +113,9 @@ def test_manifest_not_json_or_wrong_schema(env, payload, error):
     store, _, sub = env
     before = sub.model_digest
     rewrite_manifest(store, 2, lambda o: None)  # keep HEAD consistent with whatever we write next
-    store.put(manifest_key(2), payload)
+    store.put(mkey(store, 2), payload)
     head = parse_head(store.get(HEAD_KEY).data)
-    store.put(HEAD_KEY, Head(head.version, head.kind, head.keyframe_version, xxh3_128(payload),
-                             head.committed_unix_ms).to_bytes())
+    store.put(HEAD_KEY, replace(head, manifest_xxh3_128=xxh3_128(payload)).to_bytes())
     with pytest.raises(error):
         sub.sync()
     assert_untouched(sub, before)
@@ -125,9 +124,9 @@ def test_manifest_not_json_or_wrong_schema(env, payload, error):
 def test_manifest_tampered_without_head_is_caught_by_hash(env):
     store, _, sub = env
     before = sub.model_digest
-    obj = json.loads(store.get(manifest_key(2)).data)
+    obj = json.loads(store.get(mkey(store, 2)).data)
     obj["step"] = 12345
-    store.put(manifest_key(2), json.dumps(obj).encode())
+    store.put(mkey(store, 2), json.dumps(obj).encode())
     with pytest.raises(ChecksumMismatchError, match="manifest"):
         sub.sync()
     assert_untouched(sub, before)
@@ -177,7 +176,7 @@ def test_zstd_frame_larger_than_declared_is_a_bomb(env):
 
     store, _, sub = env
     before = sub.model_digest
-    m = json.loads(store.get(manifest_key(2)).data)
+    m = json.loads(store.get(mkey(store, 2)).data)
     bi = max(range(len(m["blocks"])), key=lambda i: m["blocks"][i]["streams"][0][2])
     blk = m["blocks"][bi]
     codec, stored, raw = blk["streams"][0]
@@ -220,7 +219,9 @@ def test_positions_outside_segment(env):
     assert_untouched(sub, before)
 
 
-def test_wrong_base_version(env, tmp_path):
+def test_wrong_base_version_reloads_from_the_keyframe(env, tmp_path):
+    """A subscriber holding another history at the same version number never applies a delta
+    onto it: the links back from HEAD do not reach what it holds, so it reloads from the keyframe."""
     store, pub, sub = env
     # a subscriber that holds some other history: it was following another prefix
     other = LocalStore(tmp_path / "other")
@@ -228,8 +229,29 @@ def test_wrong_base_version(env, tmp_path):
     stranger = Subscriber(store=other)
     stranger.sync()
     stranger.store = store  # now pointed at a prefix whose delta 2 builds on a different version 1
+    sub.sync()
+    assert stranger.sync() == sub.version
+    assert stranger.model_digest == sub.model_digest
+    assert_state_equal(stranger.state_dict(), sub.state_dict())
+    assert stranger.stats.versions_applied == 3  # its own keyframe; then this keyframe 1 and delta 2
+
+
+def test_delta_on_another_base_is_refused_by_apply(env, tmp_path):
+    """The apply step itself refuses a delta whose base link is not what is held."""
+    from xcluster.chain import Link, read_manifest
+
+    store, pub, sub = env
+    other = LocalStore(tmp_path / "other")
+    Publisher(store=other).publish(weights(5))
+    stranger = Subscriber(store=other)
+    stranger.sync()
+    stranger.store = store
+    from xcluster.format import parse_head
+    h = parse_head(store.get("HEAD").data)
+    lm = read_manifest(store, Link.of_head(h))
+    assert lm.manifest.kind == "delta"
     with pytest.raises(BaseMismatchError):
-        stranger.sync()
+        stranger._apply(lm, h)
     assert stranger.version == 1
     assert_state_equal(stranger.state_dict(), weights(5))
 
@@ -368,7 +390,7 @@ def test_hostile_bool_bytes_are_refused(env):
     # digests that agree: only the bool rule can catch it
     import numpy as np
     from xcluster.digest import model_digest_from, tensor_digest
-    m = json.loads(store.get(manifest_key(5)).data)
+    m = json.loads(store.get(mkey(store, 5)).data)
     fi = [t["name"] for t in m["tensors"]].index("flags")
     blk = next(b for b in m["blocks"] if any(s[0] == fi for s in b["segments"]))
     assert blk["width"] == 1

@@ -9,9 +9,9 @@ import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.errors import ConcurrentPublisherError, StoreError
-from xcluster.format import HEAD_KEY, manifest_key, parse_head, parse_manifest
+from xcluster.format import HEAD_KEY, parse_head, parse_manifest
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, mkey
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -48,7 +48,7 @@ def test_first_version_keyframe_then_every_k(tmp_path):
     assert forced.kind == "keyframe"
 
 
-@pytest.mark.parametrize("fail_on", [".xc", "manifest.json", HEAD_KEY])
+@pytest.mark.parametrize("fail_on", [".xc", "manifest-", HEAD_KEY])
 def test_crash_mid_commit_leaves_nothing_visible(tmp_path, fail_on):
     store = LocalStore(tmp_path)
     flaky = FailingStore(store, fail_on)
@@ -59,9 +59,13 @@ def test_crash_mid_commit_leaves_nothing_visible(tmp_path, fail_on):
     flaky.armed = True
     with pytest.raises(StoreError, match="injected"):
         pub.publish(weights(1))
-    # nothing of version 2 is visible or left behind; HEAD still names 1
+    # nothing of version 2 is visible; HEAD still names 1
     assert parse_head(store.get(HEAD_KEY).data).version == 1
-    assert store.list("versions/000000000002/") == []
+    left = store.list("versions/000000000002/")
+    if fail_on == ".xc":  # failed before its manifest write: its chunks are deleted
+        assert left == []
+    else:  # the manifest write was attempted: HEAD could still come to name it, so nothing is deleted
+        assert left and all(k.rsplit("/", 1)[1].startswith(("c", "manifest-")) for k in left)
     assert sub.sync() == 1
     assert_state_equal(sub.state_dict(), weights(0))
     # the same publisher retries the same version number, still as a delta, and succeeds
@@ -72,37 +76,53 @@ def test_crash_mid_commit_leaves_nothing_visible(tmp_path, fail_on):
     assert_state_equal(sub.state_dict(), weights(1))
 
 
-def test_killed_publisher_leftovers_are_replaced_by_the_next(tmp_path):
-    store = LocalStore(tmp_path)
-    Publisher(store=store).publish(weights(0))
-    # a publisher that died after uploading chunks and the manifest, before HEAD
-    store.put("versions/000000000002/cdeadbeef-000000.xc", b"partial")
-    store.put("versions/000000000002/manifest.json", b"{}")
-    sub = Subscriber(store=store)
-    assert sub.sync() == 1  # the orphan is invisible
-    pub = Publisher(store=store)
-    res = pub.publish(weights(1))
-    assert res.version == 2
-    assert sub.sync() == 2
-    m = parse_manifest(store.get(manifest_key(2)).data)
-    assert sorted(store.list("versions/000000000002/")) == sorted(
-        ["versions/000000000002/manifest.json"] + [f"versions/000000000002/{c.name}" for c in m.chunks])
-
-
-def test_a_fresh_uncommitted_manifest_is_respected_an_old_one_replaced(tmp_path):
+def test_a_restarted_publisher_is_not_refused_by_its_predecessors_leftovers(tmp_path):
+    """Killed between writing manifest V and moving HEAD, restarted at once: it commits V under a
+    manifest of its own (no grace period, no 'another publisher is committing')."""
     store = LocalStore(tmp_path)
     now = [1000.0]
-    a = Publisher(store=store, clock=lambda: now[0])
-    a.publish(weights(0))
-    # a live publisher has just written manifest 2 and is about to move HEAD
-    manifest_v2 = dict(json.loads(store.get(manifest_key(1)).data), version=2, keyframe_version=2)
-    store.put(manifest_key(2), json.dumps(manifest_v2).encode())
-    with pytest.raises(ConcurrentPublisherError, match="not an orphan"):
-        a.publish(weights(1))
-    assert store.get(manifest_key(2)).data == json.dumps(manifest_v2).encode()  # untouched
-    now[0] += 3600  # an hour later nobody moved HEAD: it was a dead publisher's
-    assert a.publish(weights(1)).version == 2
-    assert Subscriber(store=store).sync() == 2
+    Publisher(store=store, clock=lambda: now[0]).publish(weights(0))
+    # the predecessor's leftovers: chunks and a complete manifest for version 2, HEAD still at 1
+    manifest_v2 = dict(json.loads(store.get(mkey(store, 1)).data), version=2, keyframe_version=2)
+    store.put("versions/000000000002/manifest-deadbeef.json", json.dumps(manifest_v2).encode())
+    store.put("versions/000000000002/cdeadbeef-000000.xc", b"partial")
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1  # the leftovers are invisible
+    res = Publisher(store=store, clock=lambda: now[0]).publish(weights(1))  # at once, same clock
+    assert res.version == 2
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), weights(1))
+    # the leftovers are untouched (retention's business), the committed manifest is another object
+    assert store.get("versions/000000000002/manifest-deadbeef.json").data == json.dumps(manifest_v2).encode()
+    assert mkey(store, 2) != "versions/000000000002/manifest-deadbeef.json"
+
+
+def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path):
+    """No listing, no sweep: a publish touches only its own version's objects and HEAD."""
+    calls: list[str] = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.url = inner, inner.url
+
+        def __getattr__(self, name):
+            fn = getattr(self.inner, name)
+
+            def wrapped(*a, **kw):
+                calls.append(name)
+                return fn(*a, **kw)
+            return wrapped
+
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=Counting(store), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None))
+    pub.publish(weights(0))
+    per_publish = []
+    for s in range(1, 40):
+        calls.clear()
+        pub.publish(weights(s))
+        per_publish.append(sorted(calls))
+    assert "list" not in {c for cs in per_publish for c in cs}
+    assert all(cs == per_publish[0] for cs in per_publish)  # constant, not growing with history
 
 
 def test_two_publishers_cannot_both_commit(tmp_path):
@@ -201,19 +221,6 @@ def test_far_behind_subscriber_replays_chain_or_jumps_to_keyframe(tmp_path):
     assert_state_equal(sub.state_dict(), weights(11))
 
 
-def test_sync_until_and_cannot_go_back(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
-    for s in range(5):
-        pub.publish(weights(s))
-    sub = Subscriber(store=store)
-    assert sub.sync(until=3) == 3
-    assert_state_equal(sub.state_dict(), weights(2))
-    assert sub.sync() == 5
-    with pytest.raises(Exception, match="cannot go back"):
-        sub.sync(until=2)
-
-
 def test_empty_store_sync_returns_none(tmp_path):
     assert Subscriber(str(tmp_path)).sync() is None
 
@@ -239,47 +246,120 @@ def test_publish_result_accounts_every_byte(tmp_path):
     objects = store.list("versions/000000000002/")
     on_disk = sum(store.stat(k).size for k in objects) + store.stat(HEAD_KEY).size
     assert res.bytes_written == on_disk
-    m = parse_manifest(store.get(manifest_key(2)).data)
+    m = parse_manifest(store.get(mkey(store, 2)).data)
     assert res.changed_elements == m.changed_elements == 300 + 1  # 300 weights and the step counter
     assert res.kind == "delta" and res.base_version == 1
 
 
-class CountingStore:
-    def __init__(self, inner):
-        self.inner, self.url, self.reads = inner, inner.url, []
+def test_keyframe_every_above_max_chain_is_refused_with_the_rule():
+    from xcluster.errors import ConfigError
+    from xcluster.format import MAX_CHAIN
 
-    def get_range(self, key, start, length):
-        self.reads.append(key)
-        return self.inner.get_range(key, start, length)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    PublisherConfig(keyframe_every=MAX_CHAIN)
+    with pytest.raises(ConfigError, match="lock out every new node"):
+        PublisherConfig(keyframe_every=MAX_CHAIN + 1)
 
 
-def test_next_manifest_is_prefetched_with_the_head_poll(tmp_path):
-    store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
-    counting = CountingStore(store)
-    sub = Subscriber(store=counting)
+def test_keyframe_when_the_chain_outweighs_a_fraction_of_the_keyframe(tmp_path):
+    big = {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}
+
+    def step(s: int) -> dict[str, torch.Tensor]:
+        w = big["w"].clone()
+        w.view(torch.int16).view(-1)[: 2000 * s] += 1  # a growing delta every step
+        return {"w": w}
+
+    pub = Publisher(str(tmp_path), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=0.05))
+    results = [pub.publish(step(s)) for s in range(12)]
+    kinds = [r.kind for r in results]
+    assert kinds[0] == "keyframe" and "keyframe" in kinds[1:] and "delta" in kinds
+    # every keyframe after the first comes once the deltas since the last one exceed 5% of it
+    since, key_bytes = 0, results[0].bytes_written
+    for r in results[1:]:
+        if r.kind == "keyframe":
+            assert since > 0.05 * key_bytes
+            since, key_bytes = 0, r.bytes_written
+        else:
+            assert since <= 0.05 * key_bytes
+            since += r.bytes_written
+    off = Publisher(str(tmp_path / "off"), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None))
+    assert [off.publish(step(s)).kind for s in range(12)] == ["keyframe"] + ["delta"] * 11
+
+
+def test_files_travel_with_every_version_and_are_uploaded_only_when_they_change(tmp_path):
+    from xcluster.chain import Link, read_head, read_manifest
+    from xcluster.format import file_key, xxh3_128
+
+    store = LocalStore(tmp_path / "s")
+    puts: list[str] = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.url = inner, inner.url
+
+        def put(self, key, data, **kw):
+            puts.append(key)
+            return self.inner.put(key, data, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    (model_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+    (model_dir / "model-00001-of-00001.safetensors").write_bytes(b"weights are shipped as tensors")
+    (model_dir / "model.safetensors.index.json").write_text("{}")
+    pub = Publisher(store=Recording(store), files=model_dir)
     pub.publish(weights(0))
-    sub.sync()
     pub.publish(weights(1))
-    counting.reads.clear()
-    assert sub.sync() == 2
-    assert counting.reads.count(manifest_key(2)) == 1  # fetched beside HEAD, not again after it
-    counting.reads.clear()
-    assert sub.sync() == 2  # nothing new: one speculative read of manifest 3, which is absent
-    assert counting.reads == [manifest_key(3)]
+    files_put = [k for k in puts if k.startswith("files/")]
+    assert len(files_put) == 2  # config + tokenizer, once, not again for version 2
+    head, _ = read_head(store)
+    m = read_manifest(store, Link.of_head(head)).manifest
+    assert [f.name for f in m.files] == ["config.json", "tokenizer.json"]  # no weights, no index
+    for f in m.files:
+        data = store.get(file_key(f.xxh3_128)).data
+        assert xxh3_128(data) == f.xxh3_128 and len(data) == f.size
+    # a changed tokenizer is uploaded (only it), and listed from then on
+    puts.clear()
+    pub.publish(weights(2), files={"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"v": 2}'})
+    assert [k for k in puts if k.startswith("files/")] == [file_key(xxh3_128(b'{"v": 2}'))]
+    # a new publisher on the same store finds the files there (stat) and uploads nothing
+    puts.clear()
+    again = Publisher(store=Recording(store), files={"config.json": b'{"model_type": "llama"}'})
+    again.publish(weights(3))
+    assert not [k for k in puts if k.startswith("files/")]
 
 
-def test_a_stale_prefetched_manifest_is_not_used(tmp_path):
+def test_an_interrupt_inside_the_head_write_deletes_nothing(tmp_path):
+    """SIGTERM → sys.exit (SystemExit) raised inside the HEAD request after it landed: the
+    version is committed and nothing it needs may be deleted."""
     store = LocalStore(tmp_path)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+
+    class ExitAfterHead:
+        def __init__(self, inner):
+            self.inner, self.url, self.armed = inner, inner.url, False
+
+        def put(self, key, data, **kw):
+            etag = self.inner.put(key, data, **kw)
+            if self.armed and key == HEAD_KEY:
+                raise SystemExit(0)
+            return etag
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    wrapped = ExitAfterHead(store)
+    pub = Publisher(store=wrapped, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    wrapped.armed = True
+    with pytest.raises(SystemExit):
+        pub.publish(weights(1))
+    wrapped.armed = False
     sub = Subscriber(store=store)
-    pub.publish(weights(0))
-    sub.sync()
-    pub.publish(weights(1))
-    real = store.get(manifest_key(2)).data
-    sub._prefetched = (2, b'{"an": "orphan left above HEAD earlier"}')
-    m, h = sub._read_manifest(2, parse_head(store.get(HEAD_KEY).data).manifest_xxh3_128)
-    assert m.version == 2 and m.to_bytes() == real
+    assert sub.sync() == 2  # HEAD names version 2 and everything it needs is there
+    assert_state_equal(sub.state_dict(), weights(1))
+    # the interrupted publisher carries on: it re-reads HEAD and starts a new chain
+    res = pub.publish(weights(2))
+    assert (res.version, res.kind) == (3, "keyframe")
+    assert sub.sync() == 3

@@ -7,13 +7,16 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
-GOLDEN = Path(__file__).parent.parent / "golden" / "store"
+GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
+GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
+"""Written by schema 1 (xcluster 0.1): never regenerated, must stay readable."""
 
 
 def golden_versions() -> list[dict[str, torch.Tensor]]:
@@ -31,7 +34,8 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
 def write(root: Path) -> None:
     pub = Publisher(store=LocalStore(root, fsync=False),
                     config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096)),
-                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
+                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
+                    files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
         pub.publish(sd, step=i)
 
@@ -52,8 +56,9 @@ def test_writer_produces_the_golden_bytes(tmp_path):
         assert got[name] == want[name], f"{name} differs from tests/golden: the format changed"
 
 
-def test_golden_objects_decode(tmp_path):
-    shutil.copytree(GOLDEN, tmp_path / "s")
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])
+def test_golden_objects_decode(tmp_path, golden):
+    shutil.copytree(golden, tmp_path / "s")
     sub = Subscriber(str(tmp_path / "s"))
     assert sub.sync(until=1) == 1
     assert_state_equal(sub.state_dict(), golden_versions()[0])
@@ -62,4 +67,4 @@ def test_golden_objects_decode(tmp_path):
     assert sub.model_digest == model_digest(golden_versions()[1])
     assert sub.manifest.kind == "delta"
     # pinned: a different digest here means the digest definition changed
-    assert sub.model_digest == (GOLDEN.parent / "model_digest_v2.txt").read_text().strip()
+    assert sub.model_digest == (GOLDEN.parent.parent / "model_digest_v2.txt").read_text().strip()

@@ -1,10 +1,12 @@
-"""``xcluster demo``: the whole product on one CPU machine, in well under two minutes.
+"""``xcluster demo``: the whole production loop on one CPU machine, in about a minute.
 
-A small transformer trains for a few policy-gradient steps; after each step the
-:class:`~xcluster.Publisher` ships its bf16 weights to a store. A follower in a separate
-process subscribes, applies every version and hashes the weights it holds; the trainer
-compares that digest with the one it published. The demo prints a per-step table, a summary
-and writes a plot of bytes per step.
+A small Llama (built in code, random init, a locally trained tokenizer) trains for a few
+policy-gradient steps; after each step the trainer hook publishes its bf16 weights in the
+background (``publish()`` only snapshots them) together with config.json and the tokenizer
+files. On the "rollout node", the real daemon (``xcluster subscribe``, a separate process)
+applies every version, writes a Hugging Face model directory and hands it to an engine process
+that loads it with transformers and hashes what it serves; the demo compares that digest with
+the trainer's. It prints a per-step table, a summary, and writes a plot of bytes per step.
 
 Torch and matplotlib are imported only when the demo runs, not when the CLI is built.
 """
@@ -48,21 +50,23 @@ class DemoConfig:
     keep: bool = False
     """Keep what is already in the store instead of wiping it first."""
     model: str = "demo"
-    """Model preset from :data:`xcluster.demo.model.PRESETS` (``demo`` ~9M params, ``tiny``)."""
-    poll: float = 0.02
-    """Follower poll interval in seconds."""
+    """Model preset from :data:`xcluster.demo.hfmodel.PRESETS` (``demo`` ~14M params, ``tiny`` ~1.4M)."""
+    poll: float = 0.05
+    """Daemon poll interval in seconds."""
+    background: bool = True
+    """Publish in the background (``publish()`` returns once the weights are snapshotted)."""
     threads: int = 1
     """Torch CPU threads for training. One by default: the follower runs beside the trainer,
     and on a small, busy machine two spinning OpenMP threads per process make each step
     10-20× slower instead of faster."""
-    follower_timeout: float = 60.0
-    """The follower gives up after this many seconds without a new version."""
+    rollout_timeout: float = 120.0
+    """Give up when the engine has not loaded the last version this many seconds after training."""
     tamper_version: int | None = None
-    """Test hook: the follower reports a digest of its weights with one bit flipped at this
-    version, so the demo must show ✗ there and fail."""
+    """Test hook: from this version on, the engine flips one bit of the weights it loaded, so
+    the demo must show ✗ there and fail."""
 
     def __post_init__(self) -> None:
-        from .model import PRESETS
+        from .hfmodel import PRESETS
 
         if self.steps < 1:
             raise ConfigError(f"DemoConfig.steps must be ≥ 1, got {self.steps}")
@@ -74,8 +78,8 @@ class DemoConfig:
             raise ConfigError(f"DemoConfig.model must be one of {sorted(PRESETS)}, got {self.model!r}")
         if self.threads < 1:
             raise ConfigError(f"DemoConfig.threads must be ≥ 1, got {self.threads}")
-        if not self.poll > 0 or not self.follower_timeout > 0:
-            raise ConfigError("DemoConfig.poll and follower_timeout must be > 0")
+        if not self.poll > 0 or not self.rollout_timeout > 0:
+            raise ConfigError("DemoConfig.poll and rollout_timeout must be > 0")
 
     @property
     def store_url(self) -> str:
@@ -93,11 +97,14 @@ class DemoReport:
     plot_path: Path
     steps_json: Path
     trainer_pid: int
-    follower_pid: int | None
-    """The pid the follower process reported for itself."""
-    follower_returncode: int
-    follower_output: str
-    follower_error: str | None
+    engine_pid: int | None
+    """The pid the engine process reported for itself."""
+    daemon_returncode: int
+    daemon_log: Path
+    final_dir: Path | None
+    """The rollout node's ``current`` model directory at the end."""
+    greedy: str | None
+    """The engine's greedy continuation of a fixed prompt at the last version."""
     seconds: float
     failures: list[str] = field(default_factory=list)
 
@@ -147,11 +154,12 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = 
 
 
 def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
+
     from .. import Publisher, PublisherConfig
     from ..digest import model_digest
-    from .follow import Follower, read_results
-    from .model import PRESETS, build_model
+    from .hfmodel import PRESETS, build_model, non_weight_files
     from .report import StepRow, format_summary, format_table, plot_bytes, summarize
+    from .rollout import RolloutNode
     from .train import PolicyGradientTrainer, TrainConfig, train_and_publish
 
     started = time.perf_counter()
@@ -159,60 +167,70 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     if not config.keep:
         _wipe(config)
     url = config.store_url
-    publisher = Publisher(url, config=PublisherConfig(keyframe_every=config.keyframe_every))
-    first_version = publisher.version + 1  # 0 on an empty store
-    last_version = first_version + config.steps - 1
-
-    follower = Follower(url, until_version=last_version, results=config.out / "follower.jsonl",
-                        poll=config.poll, timeout=config.follower_timeout,
-                        tamper_version=config.tamper_version)
+    hf_cfg = PRESETS[config.model]
+    model, tokenizer = build_model(hf_cfg, seed=config.seed)
+    model = model.float().train()  # fp32 master weights; bf16 is what ships
+    files = non_weight_files(tokenizer, hf_cfg)
+    publisher = Publisher(url, files=files,
+                          config=PublisherConfig(keyframe_every=config.keyframe_every, background=config.background))
+    first_version = publisher.version + 1
+    node = RolloutNode(url, config.out, poll=config.poll, tamper_version=config.tamper_version)
+    published = []
+    failures: list[str] = []
     try:
-        model = build_model(PRESETS[config.model], seed=config.seed)
-        trainer = PolicyGradientTrainer(model, TrainConfig(steps=config.steps, lr=config.lr,
-                                                           seed=config.seed))
-        echo(f"xcluster demo: {model.num_parameters() / 1e6:.1f}M-parameter transformer "
-             f"(fp32 master, bf16 shipped), {config.steps} steps of Adam lr {config.lr:g}, "
-             f"keyframe every {config.keyframe_every}")
+        node.start()
+        node.wait_ready()
+        trainer = PolicyGradientTrainer(model, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed))
+        n_params = sum(p.numel() for p in model.parameters())
+        echo(f"xcluster demo: {n_params / 1e6:.1f}M-parameter Llama (fp32 master, bf16 shipped with config.json and "
+             f"tokenizer), {config.steps} steps of Adam lr {config.lr:g}, keyframe every {config.keyframe_every}, "
+             f"{'background' if config.background else 'synchronous'} publishing")
         echo(f"store: {url}")
-        follower.wait_ready(timeout=120)
-        echo(f"follower: pid {follower.pid} (trainer pid {os.getpid()}), following versions "
-             f"{first_version}..{last_version}")
-        published = []
+        echo(f"rollout node: xcluster subscribe (pid {node.daemon.pid}) → {node.model_dir}/current → engine "
+             f"(pid {node.engine.pid}, transformers); trainer pid {os.getpid()}")
         for p in train_and_publish(trainer, publisher, digest=model_digest):
-            r = p.result
             published.append(p)
-            echo(f"  step {p.stats.step:>3}: loss {p.stats.loss:+.4f}  published v{r.version:<4} "
-                 f"{r.kind:<8} {r.bytes_written:>10,} B in {1000 * r.publish_seconds:.0f} ms")
-        code, output = follower.join(timeout=config.follower_timeout + 30)
+            echo(f"  step {p.stats.step:>3}: loss {p.stats.loss:+.4f}  publish() returned in "
+                 f"{1000 * p.blocked_seconds:.1f} ms")
+        if config.background:
+            publisher.flush()
+        results = [_result_of(p.result) for p in published]
+        last = max((r.version for r in results if r is not None), default=first_version)
+        engine = node.wait_for_engine(last, timeout=config.rollout_timeout)
+    except XclusterError as exc:
+        failures.append(f"{type(exc).__name__}: {exc}")
+        results = [_result_of(p.result) for p in published] if published else []
+        from .rollout import read_engine_results
+        engine = read_engine_results(node.results)
     finally:
-        follower.stop()
+        code = node.stop()
+        publisher.close()
 
-    results = read_results(follower.results)
     rows = []
-    for p in published:
-        r = p.result
-        applied = results.applied.get(r.version)
+    for p, r in zip(published, results):
+        if r is None:  # coalesced: a newer snapshot replaced it before it was published
+            continue
+        loaded = engine.loaded.get(r.version)
         rows.append(StepRow(
             step=p.stats.step, version=r.version, kind=r.kind, total_elements=r.total_elements,
-            changed_elements=r.changed_elements, bytes_shipped=r.bytes_written,
-            model_bytes=r.model_bytes, publish_seconds=r.publish_seconds,
-            latency_seconds=None if applied is None else applied["applied_unix"] - r.committed_unix,
+            changed_elements=r.changed_elements, bytes_shipped=r.bytes_written, model_bytes=r.model_bytes,
+            publish_seconds=r.publish_seconds, blocked_seconds=p.blocked_seconds,
+            latency_seconds=None if loaded is None else loaded["unix"] - r.committed_unix,
             published_digest=r.model_digest, trainer_digest=p.trainer_digest,
-            follower_digest=None if applied is None else applied["model_digest"]))
-
-    failures = []
+            engine_digest=None if loaded is None else loaded["model_digest"]))
     for row in rows:
-        if row.follower_digest is None:
-            failures.append(f"step {row.step}: version {row.version} was never applied by the follower")
-        elif not row.verified:
-            failures.append(
-                f"step {row.step}: version {row.version} digest mismatch: trainer {row.trainer_digest}, "
-                f"published {row.published_digest}, follower {row.follower_digest}")
+        if not row.skipped and not row.verified:
+            failures.append(f"step {row.step}: version {row.version} digest mismatch: trainer {row.trainer_digest}, "
+                            f"published {row.published_digest}, engine {row.engine_digest}")
+    if rows and not rows[-1].verified:
+        failures.append(f"the engine does not serve the last version ({rows[-1].version}) bit-exactly")
     if code != 0:
-        failures.append(f"follower exited with status {code}: {results.error or output.strip()}")
-    if results.pid is None or results.pid == os.getpid() or results.pid != follower.pid:
-        failures.append(f"follower reported pid {results.pid}, expected its own process {follower.pid}")
+        failures.append(f"the daemon exited with status {code} on SIGTERM (see {node.daemon_log})")
+    if engine.pid is None or engine.pid == os.getpid():
+        failures.append(f"engine reported pid {engine.pid}, expected a process of its own")
 
+    final_dir = node.model_dir / "current"
+    greedy = engine.loaded[max(engine.loaded)]["greedy"] if engine.loaded else None
     summary = summarize(rows)
     table, summary_line = format_table(rows), format_summary(summary)
     plot_path = plot_bytes(rows, config.out / "bytes_per_step.png")
@@ -222,17 +240,36 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     echo(table)
     echo("")
     echo(summary_line)
-    echo(f"plot: {plot_path}   per-step data: {steps_json}")
+    blocked = sorted(p.blocked_seconds for p in published)
+    pubs = sorted(r.publish_seconds for r in results if r is not None)
+    lat = sorted(r.latency_seconds for r in rows if r.latency_seconds is not None)
+    if blocked and pubs:
+        echo(f"trainer blocked by publish(): median {1000 * blocked[len(blocked) // 2]:.1f} ms "
+             f"(encode+upload+commit ran {1000 * pubs[len(pubs) // 2]:.0f} ms median in the background); "
+             f"commit → engine serving: median {1000 * lat[len(lat) // 2]:.0f} ms" if lat else "")
+    if greedy is not None:
+        echo(f"engine (transformers) loaded {final_dir.resolve() if final_dir.exists() else final_dir}: "
+             f"greedy continuation {greedy!r}")
+    echo(f"plot: {plot_path}   per-step data: {steps_json}   daemon log: {node.daemon_log}")
     for f in failures:
         echo(f"FAILED: {f}")
     seconds = time.perf_counter() - started
     echo(f"{'ok' if not failures else 'FAILED'} in {seconds:.1f}s (training "
-         f"{sum(p.stats.seconds for p in published):.1f}s, publishing "
-         f"{sum(p.result.publish_seconds for p in published):.1f}s)")
+         f"{sum(p.stats.seconds for p in published):.1f}s)")
     return DemoReport(rows=rows, summary=summary, table=table, summary_line=summary_line,
                       plot_path=plot_path, steps_json=steps_json, trainer_pid=os.getpid(),
-                      follower_pid=results.pid, follower_returncode=code, follower_output=output,
-                      follower_error=results.error, seconds=seconds, failures=failures)
+                      engine_pid=engine.pid, daemon_returncode=code, daemon_log=node.daemon_log,
+                      final_dir=final_dir if final_dir.exists() else None, greedy=greedy,
+                      seconds=seconds, failures=failures)
+
+
+def _result_of(ret: Any):
+    """A PublishResult from what ``publish()`` returned; None for a snapshot coalesced away."""
+    if hasattr(ret, "result"):  # a background ticket
+        if getattr(ret, "superseded", False):
+            return None
+        return ret.result()
+    return ret
 
 
 # --- CLI ------------------------------------------------------------------------------------
@@ -244,10 +281,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """
     d = DemoConfig.__dataclass_fields__
     p = subparsers.add_parser(
-        "demo", help="train a small model and ship every step to a follower process, bit-exact",
-        description="Train a small transformer on CPU; after every step publish its bf16 weights "
-                    "to a store, follow the store from a separate process, and prove every "
-                    "version bit-exact there. Prints a per-step table and writes a plot.")
+        "demo", help="train a small Llama and ship every step through the daemon to an engine, bit-exact",
+        description="Train a small Llama on CPU; after every step publish its bf16 weights (in the "
+                    "background) to a store; a separate daemon process applies each version, writes a "
+                    "Hugging Face model directory and hands it to an engine process, which loads it with "
+                    "transformers; every version the engine serves is proven bit-exact. Prints a "
+                    "per-step table and writes a plot.")
     p.add_argument("--steps", type=int, default=d["steps"].default,
                    help="optimizer steps (default %(default)s)")
     p.add_argument("--lr", type=float, default=d["lr"].default,
@@ -262,7 +301,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="store URL (path, file://, s3://bucket/prefix, ...); default OUT/store")
     p.add_argument("--keep", action="store_true", help="do not wipe the store first")
     p.add_argument("--model", default=d["model"].default, choices=["demo", "tiny"],
-                   help="model size: demo (~9M params) or tiny (for tests); default %(default)s")
+                   help="model size: demo (~14M params) or tiny (for tests); default %(default)s")
+    p.add_argument("--sync", action="store_true", help="publish synchronously (publish() blocks until committed)")
     p.add_argument("--threads", type=int, default=d["threads"].default,
                    help="torch CPU threads for training (default %(default)s)")
     p.add_argument("--tamper-version", type=int, default=None, help=argparse.SUPPRESS)
@@ -274,7 +314,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         config = DemoConfig(steps=args.steps, lr=args.lr, keyframe_every=args.keyframe_every,
                             seed=args.seed, out=args.out, store=args.store, keep=args.keep,
-                            model=args.model, threads=args.threads,
+                            model=args.model, threads=args.threads, background=not args.sync,
                             tamper_version=args.tamper_version)
         report = run_demo(config)
     except XclusterError as exc:

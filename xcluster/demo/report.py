@@ -13,7 +13,7 @@ from pathlib import Path
 
 @dataclass(frozen=True, kw_only=True)
 class StepRow:
-    """One published version as the trainer and the follower saw it."""
+    """One published version as the trainer, the publisher and the engine saw it."""
 
     step: int
     version: int
@@ -26,17 +26,26 @@ class StepRow:
     model_bytes: int
     """Size of the bf16 state dict: what shipping it whole would cost."""
     publish_seconds: float
+    """Encode + upload + commit of this version (in the background unless publishing is synchronous)."""
+    blocked_seconds: float
+    """How long ``publish()`` held up the training loop."""
     latency_seconds: float | None
-    """Publisher commit → follower applied; ``None`` if the follower never applied it."""
+    """Publisher commit → the engine serving it; ``None`` if the engine never loaded it."""
     published_digest: str
     trainer_digest: str
-    follower_digest: str | None
+    engine_digest: str | None
+    """What the engine's loaded weights hash to; ``None`` if it never loaded this version (the
+    daemon had a newer one by then and handed over only the newest)."""
 
     @property
     def verified(self) -> bool:
-        """The follower's weights hash to what the trainer holds and the publisher committed."""
-        return self.follower_digest is not None and (
-            self.follower_digest == self.published_digest == self.trainer_digest)
+        """The engine's weights hash to what the trainer holds and the publisher committed."""
+        return self.engine_digest is not None and (
+            self.engine_digest == self.published_digest == self.trainer_digest)
+
+    @property
+    def skipped(self) -> bool:
+        return self.engine_digest is None
 
     @property
     def changed_fraction(self) -> float:
@@ -66,7 +75,7 @@ def human_bytes(n: float) -> str:
 
 
 _COLUMNS = ("step", "version", "kind", "changed", "bytes shipped", "vs full bf16",
-            "bits/changed", "publish ms", "latency ms", "verified")
+            "bits/changed", "blocked ms", "publish ms", "commit→engine ms", "verified")
 
 
 def _cells(row: StepRow) -> tuple[str, ...]:
@@ -79,9 +88,10 @@ def _cells(row: StepRow) -> tuple[str, ...]:
         human_bytes(row.bytes_shipped),
         f"{row.ratio:.1f}× smaller",
         "—" if bits is None else f"{bits:.2f}",
+        f"{1000 * row.blocked_seconds:.1f}",
         f"{1000 * row.publish_seconds:.0f}",
         "—" if row.latency_seconds is None else f"{1000 * row.latency_seconds:.0f}",
-        "✓" if row.verified else "✗",
+        "✓" if row.verified else ("skipped (newer one first)" if row.skipped else "✗"),
     )
 
 
@@ -105,6 +115,8 @@ def format_table(rows: Sequence[StepRow]) -> str:
 class Summary:
     versions: int
     verified: int
+    loaded: int
+    """Versions the engine loaded (the rest were overtaken by a newer one before the hand-off)."""
     bytes_shipped: int
     bytes_full: int
     """What shipping the full bf16 weights at every step would have cost."""
@@ -122,6 +134,7 @@ def summarize(rows: Sequence[StepRow]) -> Summary:
     return Summary(
         versions=len(rows),
         verified=sum(r.verified for r in rows),
+        loaded=sum(not r.skipped for r in rows),
         bytes_shipped=sum(r.bytes_shipped for r in rows),
         bytes_full=sum(r.model_bytes for r in rows),
         delta_bits_per_changed=8 * sum(r.bytes_shipped for r in deltas) / changed if changed else None,
@@ -133,7 +146,7 @@ def format_summary(s: Summary) -> str:
             else f"deltas average {s.delta_bits_per_changed:.2f} bits per changed element")
     return (f"{s.versions} versions: {human_bytes(s.bytes_shipped)} shipped vs "
             f"{human_bytes(s.bytes_full)} for full bf16 every step ({s.ratio:.1f}× less); "
-            f"{bits}; {s.verified}/{s.versions} verified bit-exact in the follower")
+            f"{bits}; {s.verified}/{s.loaded} versions the engine loaded verified bit-exact")
 
 
 def plot_bytes(rows: Sequence[StepRow], path: str | Path) -> Path:

@@ -11,6 +11,7 @@ what makes lossless deltas small.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .model import TinyTransformer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,15 +68,21 @@ def reward(generated: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (generated < vocab_size // 2).to(torch.float32).mean(dim=1)
 
 
-class PolicyGradientTrainer:
-    """Samples from the model, scores the samples, takes one Adam step per :meth:`step`."""
+FIRST_TOKEN = 3
+"""Prompts are drawn from ids >= 3: 0-2 are the tokenizer's <s>, </s> and <pad>."""
 
-    def __init__(self, model: TinyTransformer, config: TrainConfig) -> None:
-        cfg = model.cfg
-        if config.prompt_len + config.gen_len > cfg.max_seq_len:
+
+class PolicyGradientTrainer:
+    """Samples from a Hugging Face causal LM (fp32 master weights), scores the samples, takes
+    one Adam step per :meth:`step`."""
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig) -> None:
+        cfg = model.config
+        if config.prompt_len + config.gen_len > cfg.max_position_embeddings:
             raise ConfigError(
                 f"prompt_len + gen_len ({config.prompt_len + config.gen_len}) exceeds the model's "
-                f"max_seq_len ({cfg.max_seq_len}): shorten them or use a larger model")
+                f"max_position_embeddings ({cfg.max_position_embeddings}): shorten them or use a larger model")
+        self.vocab_size = cfg.vocab_size
         self.model = model
         self.config = config
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
@@ -85,14 +91,19 @@ class PolicyGradientTrainer:
 
     @torch.no_grad()
     def sample(self) -> torch.Tensor:
-        """``(batch, prompt_len + gen_len)`` tokens: random prompts continued by the model."""
+        """``(batch, prompt_len + gen_len)`` tokens: random prompts continued by the model
+        (incremental decoding with the model's KV cache)."""
+        from transformers import DynamicCache
+
         c = self.config
-        vocab = self.model.cfg.vocab_size
-        tokens = torch.randint(0, vocab, (c.batch_size, c.prompt_len), generator=self.generator)
-        cache = self.model.new_cache()
+        tokens = torch.randint(FIRST_TOKEN, self.vocab_size, (c.batch_size, c.prompt_len), generator=self.generator)
+        cache = DynamicCache()
         step_in = tokens
         for _ in range(c.gen_len):
-            probs = torch.softmax(self.model(step_in, last_only=True, cache=cache), dim=-1)
+            with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x knows only it
+                warnings.simplefilter("ignore", FutureWarning)
+                out = self.model(input_ids=step_in, past_key_values=cache, use_cache=True)
+            probs = torch.softmax(out.logits[:, -1].float(), dim=-1)
             step_in = torch.multinomial(probs, 1, generator=self.generator)
             tokens = torch.cat([tokens, step_in], dim=1)
         return tokens
@@ -103,10 +114,10 @@ class PolicyGradientTrainer:
         self.model.train()
         tokens = self.sample()
         generated = tokens[:, c.prompt_len:]
-        r = reward(generated, self.model.cfg.vocab_size)
+        r = reward(generated, self.vocab_size)
         advantage = (r - r.mean()) / (r.std() + 1e-6)
 
-        logits = self.model(tokens[:, :-1])[:, c.prompt_len - 1:]
+        logits = self.model(input_ids=tokens[:, :-1]).logits[:, c.prompt_len - 1:]
         token_logp = torch.log_softmax(logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         loss = -(advantage * token_logp.sum(dim=1)).mean()
 
@@ -120,10 +131,12 @@ class PolicyGradientTrainer:
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """One step's training stats, the publisher's result, and the trainer's own digest."""
+    """One step's training stats, what ``publish`` returned (a PublishResult, or a ticket in
+    background mode), how long it blocked the trainer, and the trainer's own digest."""
 
     stats: StepStats
-    result: Any  # xcluster.PublishResult
+    result: Any  # xcluster.PublishResult | xcluster.background.PublishTicket
+    blocked_seconds: float
     trainer_digest: str
 
 
@@ -132,10 +145,12 @@ def train_and_publish(trainer: PolicyGradientTrainer, publisher: Any, *,
     """Run ``trainer.config.steps`` steps, publishing the bf16 weights after each.
 
     ``digest`` is computed here, on the trainer's own copy, so a caller can check it against
-    both the digest the publisher committed and the one a subscriber computes.
+    both the digest the publisher committed and the one the engine computes.
     """
     for _ in range(trainer.config.steps):
         stats = trainer.step()
         weights = bf16_state_dict(trainer.model)
+        t0 = time.perf_counter()
         result = publisher.publish(weights, step=stats.step)
-        yield Published(stats=stats, result=result, trainer_digest=digest(weights))
+        blocked = time.perf_counter() - t0
+        yield Published(stats=stats, result=result, blocked_seconds=blocked, trainer_digest=digest(weights))

@@ -1,0 +1,219 @@
+"""Subscriber behaviour: polling cost, rollback, atomic snapshots, interrupts, restore, chunk cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
+from xcluster.errors import DigestMismatchError, RollbackError
+from xcluster.format import HEAD_KEY
+from xcluster.store import LocalStore
+from tests.unit.helpers import assert_state_equal
+from tests.unit.test_commit_protocol import weights
+
+
+class CountingStore:
+    """Records every call that reaches the store (a real LocalStore underneath)."""
+
+    def __init__(self, inner):
+        self.inner, self.url, self.calls = inner, inner.url, []
+
+    def get(self, key, *, if_none_match=None):
+        self.calls.append(("get", key, if_none_match is not None))
+        return self.inner.get(key, if_none_match=if_none_match)
+
+    def get_range(self, key, start, length):
+        self.calls.append(("get_range", key))
+        return self.inner.get_range(key, start, length)
+
+    def list(self, prefix=""):
+        self.calls.append(("list", prefix))
+        return self.inner.list(prefix)
+
+    def stat(self, key):
+        self.calls.append(("stat", key))
+        return self.inner.stat(key)
+
+    def put(self, *a, **kw):
+        return self.inner.put(*a, **kw)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+
+def test_sync_until_and_never_back(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    for s in range(5):
+        pub.publish(weights(s))
+    sub = Subscriber(store=store)
+    assert sub.sync(until=3) == 3
+    assert_state_equal(sub.state_dict(), weights(2))
+    assert sub.sync() == 5
+    with pytest.raises(RollbackError, match="keeps serving version 5"):
+        sub.sync(until=2)
+    assert sub.version == 5
+    assert_state_equal(sub.state_dict(), weights(4))
+
+
+def test_head_rolled_back_raises_rollback_error_and_keeps_weights(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    pub.publish(weights(1))
+    old_head = store.get(HEAD_KEY).data
+    pub.publish(weights(2))
+    sub = Subscriber(store=store)
+    assert sub.sync() == 3
+    store.put(HEAD_KEY, old_head)  # whoever can write the bucket moves HEAD back
+    for _ in range(2):  # every sync says so, none changes anything
+        with pytest.raises(RollbackError, match="holds version 3"):
+            sub.sync()
+    assert sub.version == 3
+    assert_state_equal(sub.state_dict(), weights(2))
+
+
+def test_a_poll_with_nothing_new_costs_one_conditional_get(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    counting = CountingStore(store)
+    sub = Subscriber(store=counting)
+    pub.publish(weights(0))
+    sub.sync()
+    pub.publish(weights(1))
+    assert sub.sync() == 2
+    for _ in range(3):
+        counting.calls.clear()
+        assert sub.sync() == 2
+        assert counting.calls == [("get", HEAD_KEY, True)]
+
+
+def test_snapshot_pairs_weights_with_their_version_while_sync_runs(tmp_path):
+    """A reader in another thread never sees weights of one version labelled with another."""
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    states = [{"w": torch.full((256, 256), float(i), dtype=torch.bfloat16),
+               "v": torch.tensor([i], dtype=torch.int64)} for i in range(8)]
+    sub = Subscriber(store=store)
+    pub.publish(states[0])
+    sub.sync()
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            snap = sub.snapshot()
+            if int(snap.state["v"][0]) != snap.version - 1 or float(snap.state["w"][0, 0]) != snap.version - 1:
+                bad.append(f"version {snap.version} with weights of {int(snap.state['v'][0]) + 1}")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for s in states[1:]:
+            pub.publish(s)
+            sub.sync()
+    finally:
+        stop.set()
+        t.join()
+    assert not bad
+    assert sub.version == 8
+
+
+def test_interrupt_during_apply_leaves_the_old_weights(tmp_path, monkeypatch):
+    """KeyboardInterrupt in the syncing thread while decode workers still patch: the undo waits
+    for every worker, so the weights are exactly the old version's."""
+    import xcluster.subscriber as subm
+
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(
+        keyframe_every=100, codec=__import__("xcluster").CodecConfig(block_bytes=4096, chunk_bytes=1 << 20)))
+    g = torch.Generator().manual_seed(0)
+    w0 = {f"t{i}": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(8)}
+    w1 = {k: (v.float() + 0.5).to(torch.bfloat16) for k, v in w0.items()}
+    pub.publish(w0)
+    sub = Subscriber(store=store, config=SubscriberConfig(decode_workers=2))
+    sub.sync()
+    pub.publish(w1)
+    real_patch = subm.patch
+    main = threading.main_thread()
+    started = threading.Event()
+
+    def slow_patch(tgt, op, *, undo=False):
+        if not undo:
+            started.set()
+            time.sleep(0.05)  # workers are still patching when the interrupt arrives
+        return real_patch(tgt, op, undo=undo)
+
+    monkeypatch.setattr(subm, "patch", slow_patch)
+
+    def interrupt() -> None:
+        started.wait(5)
+        import signal
+        signal.pthread_kill(main.ident, signal.SIGINT)  # a real signal: wakes the blocked wait
+
+    assert threading.current_thread() is main
+    threading.Thread(target=interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        sub.sync()
+    # the interrupt lands while workers patch (it is sent as the first patch starts); whatever
+    # moment it hits, weights and version agree: never v1's label on half-patched weights
+    snap = sub.snapshot()
+    assert (snap.version, snap.model_digest) in ((1, model_digest(w0)), (2, model_digest(w1)))
+    assert_state_equal(snap.state, w0 if snap.version == 1 else w1)
+    monkeypatch.setattr(subm, "patch", real_patch)
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), w1)
+
+
+def test_restore_resumes_after_the_restored_version(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    pub.publish(weights(1))
+    first = Subscriber(store=store)
+    first.sync()
+    snap = first.snapshot()
+    from xcluster.chain import Link, read_manifest, read_head
+    head, _ = read_head(store)
+    mdata = read_manifest(store, Link.of_head(head)).data
+    pub.publish(weights(2))
+    counting = CountingStore(store)
+    again = Subscriber(store=counting)
+    assert again.restore(snap.state, mdata) == 2
+    assert again.sync() == 3
+    assert_state_equal(again.state_dict(), weights(2))
+    assert not any(c[0] == "get_range" and "000000000001" in c[1] for c in counting.calls)  # no keyframe refetch
+    # weights that do not match their manifest are refused and nothing changes
+    bad = dict(snap.state)
+    bad["w"] = bad["w"].clone()
+    bad["w"].view(torch.int16).view(-1)[0] ^= 1
+    fresh = Subscriber(store=store)
+    with pytest.raises(DigestMismatchError):
+        fresh.restore(bad, mdata)
+    assert fresh.version is None
+
+
+def test_chunk_cache_survives_a_failed_apply_and_is_pruned(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    cache = tmp_path / "cache"
+    counting = CountingStore(store)
+    sub = Subscriber(store=counting, config=SubscriberConfig(chunk_cache_dir=str(cache)))
+    # the first attempt dies after fetching (a crash stand-in: apply raises)
+    orig = sub._patch_and_verify
+    sub._patch_and_verify = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        sub.sync()
+    assert any(cache.rglob("*.xc"))
+    sub2 = Subscriber(store=counting, config=SubscriberConfig(chunk_cache_dir=str(cache)))
+    counting.calls.clear()
+    assert sub2.sync() == 1
+    assert sub2.stats.chunk_cache_hits >= 1
+    assert not any(c[0] == "get_range" and c[1].endswith(".xc") for c in counting.calls)
+    assert not any(cache.rglob("*.xc"))  # applied: pruned
+    del orig

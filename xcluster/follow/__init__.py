@@ -1,0 +1,1 @@
+"""The subscriber daemon: model directories, engine hand-off and metrics (torch lives here)."""

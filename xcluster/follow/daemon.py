@@ -1,0 +1,445 @@
+"""The subscriber daemon a rollout node runs: ``xcluster subscribe URL --out DIR …``.
+
+One loop, one thread:
+
+1. poll HEAD (one conditional GET; exponential backoff with jitter while the store errors);
+2. on a new version: fetch, verify and apply it (:class:`~xcluster.Subscriber`; the engine keeps
+   serving the old weights meanwhile), fetch the non-weight files it lists, write a complete
+   model directory ``DIR/versions/<V>`` (temp name, fsync, rename), record the state
+   (``DIR/state.json``, atomic), switch ``DIR/current``, prune old directories;
+3. hand the directory over to the engine (the only step inside the engine's pause); a failed
+   hand-off is retried with backoff while the daemon keeps following the store, always with the
+   newest version;
+4. every few seconds write ``leases/<node-id>.json`` to the store (what ``xcluster status`` and
+   ``xcluster gc`` read).
+
+A restart (``kill -9`` included) resumes from ``state.json``: the last model directory is loaded
+and every tensor re-hashed against its manifest; a mismatch falls back to the newest keyframe.
+Verified chunks of a version in flight are kept under ``DIR/cache`` until it is applied.
+SIGTERM/SIGINT finish the step in progress and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
+                      StoreError, XclusterError)
+from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
+from ..store import Store, resolve_store
+from ..subscriber import AppliedVersion, Subscriber, SubscriberConfig
+from .handoff import Handoff, HandoffResult
+from .metrics import DaemonMetrics
+from .modeldir import ModelDir, ModelDirConfig
+from .state import DaemonState, StateStore
+
+log = logging.getLogger("xcluster.daemon")
+PROGRESS_MIN_BYTES = 64 << 20
+
+
+def default_node_id() -> str:
+    """``<hostname>`` made safe for a lease key."""
+    raw = socket.gethostname() or "node"
+    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in raw).lstrip(".-") or "node"
+    return safe[:128]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """How the daemon follows a store; the CLI only fills this in."""
+
+    out: Path
+    """Where model directories, ``current``, ``state.json`` and the chunk cache live
+    (``/dev/shm/xc`` keeps them in memory)."""
+    poll_s: float = 1.0
+    """Seconds between HEAD polls while nothing changes."""
+    backoff_max_s: float = 30.0
+    """Longest wait between attempts while the store or the engine keeps failing."""
+    once: bool = False
+    """Apply and hand over what is there, then exit (cron jobs, init containers)."""
+    node_id: str = field(default_factory=default_node_id)
+    """This subscriber's name in ``leases/<node-id>.json``."""
+    lease_every_s: float = 5.0
+    """Seconds between lease writes (0 disables leases)."""
+    model_dir: ModelDirConfig = field(default_factory=ModelDirConfig)
+    """Shard size and how many old version directories to keep."""
+    subscriber: SubscriberConfig | None = None
+    """Fetch and verification settings; ``chunk_cache_dir`` defaults to ``<out>/cache``."""
+    notify: bool = False
+    """Speak systemd's notify protocol (READY=1 once the first version is in the engine,
+    WATCHDOG=1 every loop) on ``notify_socket``."""
+    notify_socket: str | None = None
+    """``$NOTIFY_SOCKET`` as systemd set it (the CLI passes it in)."""
+    progress: bool = False
+    """Show a progress bar for large fetches (the CLI turns it on when stderr is a terminal)."""
+
+    def __post_init__(self) -> None:
+        if not self.poll_s > 0:
+            raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
+        if self.backoff_max_s < self.poll_s:
+            raise ConfigError(f"backoff_max_s ({self.backoff_max_s}) must be >= poll_s ({self.poll_s})")
+        if self.lease_every_s < 0:
+            raise ConfigError("lease_every_s must be >= 0")
+        check_node_id(self.node_id)
+
+
+@dataclass
+class _Backoff:
+    """Exponential backoff with full jitter between ``base`` and ``cap`` seconds."""
+
+    base: float
+    cap: float
+    failures: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return self.rng.uniform(self.base, min(self.cap, self.base * 2 ** self.failures))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class Daemon:
+    """Follows a store into a model directory and an engine. ``run()`` blocks until stopped."""
+
+    def __init__(self, url: str | None = None, *, config: DaemonConfig, store: Store | None = None,
+                 handoff: Handoff | None = None, metrics: DaemonMetrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.store = resolve_store(url, store, "Daemon")
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        sub_cfg = config.subscriber or SubscriberConfig()
+        if sub_cfg.chunk_cache_dir is None:
+            sub_cfg = replace(sub_cfg, chunk_cache_dir=str(self.out / "cache"))
+        self.subscriber = Subscriber(store=self.store, config=sub_cfg, on_apply=self._on_apply)
+        self.model_dir = ModelDir(self.out, config=config.model_dir)
+        self.states = StateStore(self.out)
+        self.handoff = handoff
+        self.metrics = metrics or DaemonMetrics()
+        self._clock = clock
+        self._listeners: list[Callable[[Path, int], None]] = []
+        self._stop = threading.Event()
+        self._state: DaemonState | None = None
+        self._files: dict[str, bytes] = {}  # non-weight files by xxh3, as verified
+        self._last_error: str | None = None
+        self._engine_state = "none" if handoff is None else "pending"
+        self.metrics.set_info(source=self.store.url, out=str(self.out), node=config.node_id,
+                              engine=getattr(handoff, "name", "none") if handoff is not None else "none")
+        self._lease_at = 0.0
+        self._ready_sent = False
+        self._store_backoff = _Backoff(config.poll_s, config.backoff_max_s)
+        self._handoff_backoff = _Backoff(config.poll_s, config.backoff_max_s)
+        self._handoff_at = 0.0
+        self._target: int | None = None
+        self._follow_ok = True
+        self._stats_seen = (0, 0)
+        self._last_applied: AppliedVersion | None = None
+        self._bar = None  # (version, tqdm) while a large fetch shows progress
+        self._bar_lock = threading.Lock()
+        if config.progress:
+            self.subscriber.on_chunk = self._progress
+
+    # --- public -------------------------------------------------------------------------------
+    def on_update(self, fn: Callable[[Path, int], None]) -> Callable[[Path, int], None]:
+        """Call ``fn(path, version)`` in-process after each new version's directory is current."""
+        self._listeners.append(fn)
+        return fn
+
+    def stop(self) -> None:
+        """Ask the loop to finish the step in progress and return."""
+        self._stop.set()
+
+    @property
+    def state(self) -> DaemonState | None:
+        return self._state
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the loop after the current step (exit 0)."""
+        def handler(signum, _frame) -> None:
+            log.info("received %s: finishing the current step, then exiting", signal.Signals(signum).name)
+            self.stop()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> int:
+        """Follow until stopped (or once, with ``once``); returns the process exit code."""
+        self.resume()
+        while not self._stop.is_set():
+            ok = self.step()
+            if self.config.once:
+                return 0 if ok and self._engine_caught_up() else 1
+            self._notify("WATCHDOG=1")
+            self._stop.wait(self._next_wait(ok))
+        self._write_lease(force=True)
+        log.info("stopped at version %s", self._state.version if self._state else None)
+        return 0
+
+    # --- start-up -----------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Pick up where a previous run stopped: the recorded version's directory, re-verified."""
+        for p in self.model_dir.clean_partial():
+            log.info("removed %s, left by an interrupted write", p)
+        try:
+            rec = self.states.load()
+        except XclusterError as exc:
+            log.warning("%s", exc)
+            self._count_error(exc)
+            rec = None
+        if rec is None:
+            return
+        st, mdata = rec
+        try:
+            state, files = self.model_dir.load(st.version)
+            self.subscriber.restore(state, mdata)
+        except XclusterError as exc:
+            log.warning("the directory of version %d does not match its manifest (%s): starting from the "
+                        "newest keyframe", st.version, exc)
+            self._count_error(exc)
+            return
+        self._files.update({xxh3_128(b): b for b in files.values()})
+        self._state = st
+        if self.model_dir.current_version() != st.version:
+            self.model_dir.switch_current(st.version)
+        self.metrics.version_applied(st.version, committed_at=_seconds(st.committed_unix_ms), resumed=True)
+        if self.handoff is not None:
+            self._engine_state = "ok" if st.engine_version == st.version else "pending"
+        log.info("resumed at version %d from %s (digest verified)", st.version, self.model_dir.path(st.version))
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Poll, apply, write, hand over, lease. False if something failed (it was logged)."""
+        self._follow_ok = self._follow()
+        handed = self._hand_over()
+        self._write_lease()
+        return self._follow_ok and handed
+
+    def _follow(self) -> bool:
+        ok = True
+        head = None
+        try:
+            head = self.subscriber.poll()
+            if head is not None:
+                self.metrics.head_seen(head.version)
+                held = self.subscriber.version
+                if held is None or head.version > held:
+                    self._target = head.version
+                    self._write_lease(force=True)
+                self.subscriber.sync()
+            self._store_backoff.reset()
+        except StoreError as exc:
+            log.warning("store error (will retry with backoff): %s", exc)
+            self._count_error(exc)
+            self.metrics.retry("store")
+            ok = False
+        except XclusterError as exc:  # bad data: keep serving the last good version
+            log.error("version not applied, still serving version %s: %s: %s", self.subscriber.version,
+                      type(exc).__name__, exc)
+            self._count_error(exc)
+            ok = False
+        finally:
+            self._target = None
+            self._sync_stats()
+        held = self.subscriber.version
+        if held is not None and (self._state is None or self._state.version != held):
+            try:  # also after a failure part-way through a chain: the versions before it are good
+                self._publish_dir(head)
+            except (OSError, XclusterError) as exc:
+                log.error("could not write the directory of version %d: %s", held, exc)
+                self._count_error(exc)
+                ok = False
+        return ok
+
+    def _publish_dir(self, head) -> None:
+        """Write the held version's directory, record it, switch ``current``."""
+        t0 = time.perf_counter()
+        snap = self.subscriber.snapshot(copy=False)  # only this thread patches it
+        m = snap.manifest
+        assert m is not None and snap.version is not None and snap.manifest_data is not None
+        files = self._fetch_files(m)
+        path = self.model_dir.write_version(snap.version, snap.state, files)
+        committed = head.committed_unix_ms if head is not None and head.version == snap.version else None
+        prev_engine = self._state.engine_version if self._state else None
+        st = DaemonState(version=snap.version, model_digest=m.model_digest,
+                         manifest_xxh3_128=snap.manifest_xxh3_128, committed_unix_ms=committed,
+                         engine_version=prev_engine)
+        self.states.save(st, snap.manifest_data)
+        self.model_dir.switch_current(snap.version)
+        self._state = st
+        for v in self.model_dir.prune():
+            log.debug("pruned version directory %d", v)
+        write_s = time.perf_counter() - t0
+        self.metrics.write_dir_seconds.observe(write_s)
+        self.metrics.version_applied(snap.version, committed_at=_seconds(committed),
+                                     head_version=head.version if head is not None else None)
+        ev = self._last_applied
+        lag = f", {self._clock() - committed / 1000:.3f}s after commit" if committed else ""
+        log.info("version %d is current at %s (%s; fetch %.3fs, apply %.3fs, write %.3fs%s)", snap.version, path,
+                 m.kind, ev.fetch_seconds if ev else 0.0, ev.apply_seconds if ev else 0.0, write_s, lag)
+        if self.handoff is not None:
+            self._engine_state = "pending"
+            self.metrics.set_engine_state("loading")
+            self._handoff_backoff.reset()
+            self._handoff_at = 0.0
+        for fn in self._listeners:
+            try:
+                fn(path, snap.version)
+            except Exception as exc:  # a listener's failure is reported, never fatal
+                log.error("on_update listener failed for version %d: %s", snap.version, exc, exc_info=True)
+                self._count_error(exc)
+
+    def _fetch_files(self, m: Manifest) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for f in m.files:
+            data = self._files.get(f.xxh3_128)
+            if data is None:
+                key = file_key(f.xxh3_128)
+                try:
+                    data = self.store.get_range(key, 0, f.size + 1)
+                except ObjectNotFoundError:
+                    raise ChecksumMismatchError(f"{self.store.url}/{key} ({f.name}) is missing") from None
+                if len(data) != f.size or xxh3_128(data) != f.xxh3_128:
+                    raise ChecksumMismatchError(f"{self.store.url}/{key} ({f.name}) does not match its manifest "
+                                                "entry (size or xxh3-128)")
+                self._files[f.xxh3_128] = data
+            out[f.name] = data
+        live = {f.xxh3_128 for f in m.files}
+        for h in [h for h in self._files if h not in live]:
+            del self._files[h]
+        return out
+
+    def _engine_caught_up(self) -> bool:
+        return self.handoff is None or self._state is None or self._state.engine_version == self._state.version
+
+    def _hand_over(self) -> bool:
+        st = self._state
+        if self.handoff is None or st is None:
+            if st is not None:
+                self._ready()
+            return True
+        if st.engine_version == st.version:
+            return True
+        now = time.monotonic()
+        if now < self._handoff_at:
+            return False
+        path = self.model_dir.path(st.version).resolve()
+        try:
+            res: HandoffResult = self.handoff.hand_over(path, st.version)
+        except HandoffError as exc:
+            delay = self._handoff_backoff.next_delay()
+            self._handoff_at = now + delay
+            self._engine_state = "failing"
+            self._last_error = f"hand-off of version {st.version}: {exc}"
+            log.error("engine hand-off of version %d failed (retrying in %.1fs, still following the store): %s",
+                      st.version, delay, exc)
+            self.metrics.handoff_failed(exc)
+            self._last_error = f"hand-off of version {st.version}: {exc}"
+            return False
+        self._handoff_backoff.reset()
+        self._state = st.with_engine(st.version)
+        self.states.save(self._state)
+        self._engine_state = "ok"
+        self._last_error = None
+        self.metrics.handoff_done(res)
+        committed = st.committed_unix_ms
+        lag = f"; commit → engine {self._clock() - committed / 1000:.3f}s" if committed else ""
+        pause = f", engine paused {res.pause_seconds:.3f}s" if res.pause_seconds is not None else ""
+        log.info("engine took version %d in %.3fs%s%s", st.version, res.seconds, pause, lag)
+        self._ready()
+        return True
+
+    # --- leases, readiness, errors ------------------------------------------------------------
+    def _write_lease(self, *, force: bool = False) -> None:
+        if self.config.lease_every_s <= 0:
+            return
+        now = time.monotonic()
+        if not force and now - self._lease_at < self.config.lease_every_s:
+            return
+        st = self._state
+        head = self.subscriber.head
+        lease = Lease(node_id=self.config.node_id, version=st.version if st else None, target_version=self._target,
+                      model_digest=st.model_digest if st else None, updated_unix_ms=int(self._clock() * 1000),
+                      engine_state=self._engine_state, engine_version=st.engine_version if st else None,
+                      last_error=self._last_error, committed_unix_ms=st.committed_unix_ms if st else None,
+                      head_version=head.version if head else None)
+        try:
+            self.store.put(lease_key(self.config.node_id), lease.to_bytes())
+            self._lease_at = now
+        except Exception as exc:  # leases are advisory: never stop following because of one
+            log.warning("could not write %s: %s", lease_key(self.config.node_id), exc)
+            self._lease_at = now
+
+    def _ready(self) -> None:
+        if not self._ready_sent:
+            self._ready_sent = True
+            self._notify("READY=1")
+
+    def _notify(self, msg: str) -> None:
+        if not self.config.notify or not self.config.notify_socket:
+            return
+        addr = self.config.notify_socket
+        if addr.startswith("@"):
+            addr = "\0" + addr[1:]
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.connect(addr)
+                s.sendall(msg.encode())
+        except OSError as exc:
+            log.debug("sd_notify(%s) failed: %s", msg, exc)
+
+    def _count_error(self, exc: BaseException) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        self.metrics.error(exc)
+
+    def _next_wait(self, ok: bool) -> float:
+        """poll_s normally; backoff with jitter while the store fails (never a tight loop). A
+        failing engine does not slow polling: its retries have their own schedule."""
+        if ok or self._follow_ok:
+            return self.config.poll_s
+        return self._store_backoff.next_delay()
+
+    def _progress(self, m: Manifest, nbytes: int) -> None:
+        """A progress bar on stderr for fetches above PROGRESS_MIN_BYTES (called from fetch threads)."""
+        if m.chunk_bytes < PROGRESS_MIN_BYTES:
+            return
+        with self._bar_lock:
+            if self._bar is None or self._bar[0] != m.version:
+                from tqdm import tqdm
+
+                if self._bar is not None:
+                    self._bar[1].close()
+                self._bar = (m.version, tqdm(total=m.chunk_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                                             desc=f"version {m.version} ({m.kind})", leave=False))
+            self._bar[1].update(nbytes)
+
+    def _on_apply(self, ev: AppliedVersion) -> None:
+        with self._bar_lock:
+            if self._bar is not None:
+                self._bar[1].close()
+                self._bar = None
+        self._last_applied = ev
+        self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
+        self.metrics.apply_seconds.observe(ev.apply_seconds)
+
+    def _sync_stats(self) -> None:
+        """Carry the subscriber's counters over to the metrics (as increments)."""
+        s, last = self.subscriber.stats, self._stats_seen
+        if s.checksum_failures > last[0]:
+            for _ in range(s.checksum_failures - last[0]):
+                self.metrics.checksum_failure()
+        if s.refetches > last[1]:
+            self.metrics.retry("fetch", s.refetches - last[1])
+        self._stats_seen = (s.checksum_failures, s.refetches)
+
+
+def _seconds(unix_ms: int | None) -> float | None:
+    return None if unix_ms is None else unix_ms / 1000

@@ -1,0 +1,486 @@
+"""Tell an inference engine to switch to a freshly written model directory.
+
+Every preset implements :class:`Handoff`: ``hand_over(path, version)`` returns a
+:class:`HandoffResult` or raises :class:`~xcluster.errors.HandoffError`. The path handed over is
+always the resolved real version directory (``versions/<V>``), never the ``current`` symlink, so
+the engine reads exactly the version it is told about even if ``current`` moves meanwhile.
+
+Presets:
+
+* :class:`VllmHandoff` — vLLM's dev-mode endpoints (the engine needs ``VLLM_SERVER_DEV_MODE=1``):
+  ``POST /pause?mode=…``, ``POST /collective_rpc`` with ``reload_weights``, ``POST
+  /reset_prefix_cache``, ``POST /resume``. Resume is always attempted once pause was sent, even
+  when the reload fails, so a failed hand-off never leaves the engine paused silently.
+* :class:`SglangHandoff` — SGLang's ``POST /update_weights_from_disk``.
+* :class:`HttpHandoff` — any HTTP endpoint, with a JSON body template.
+* :class:`ExecHandoff` — run a command with ``XCLUSTER_MODEL_DIR`` and ``XCLUSTER_VERSION`` set.
+* :class:`CallbackHandoff` — call a Python function (tests, embedding the daemon).
+
+Retries (tenacity) cover only transient failures: connection refused or reset, timeouts, HTTP 5xx
+and 429, exit status 75 (``EX_TEMPFAIL``) of a command, or a :class:`TransientHandoffError` raised by
+a callback. A definite refusal (a 4xx, SGLang ``success: false``, a vLLM result with an error, any
+other exit status) raises at once. ``sleep`` is injectable so tests do not wait.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import tenacity
+
+from ..errors import ConfigError, HandoffError, TransientHandoffError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ENGINES = ("vllm", "sglang", "http", "exec")
+VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+#: Exit status of a hand-off command that asks to be retried (sysexits.h EX_TEMPFAIL).
+EXIT_TEMPFAIL = 75
+_TAIL = 2000  # characters of stderr / a response body kept in an error message
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffConfig:
+    """Time limits and retries of one hand-off."""
+
+    timeout_s: float = 120.0
+    """Limit of one request or command run; a reload of a large model must fit in it."""
+    attempts: int = 3
+    """Most attempts of each request (1 = never retry); only transient failures are retried."""
+    backoff_s: float = 0.5
+    """Wait before the second attempt; it doubles with each further attempt."""
+    backoff_max_s: float = 10.0
+    """Cap of a single wait between attempts."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"HandoffConfig.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ConfigError(f"HandoffConfig.attempts must be an int ≥ 1 (1 means no retry), got {self.attempts!r}")
+        if not 0 <= self.backoff_s <= self.backoff_max_s:
+            raise ConfigError("HandoffConfig needs 0 ≤ backoff_s ≤ backoff_max_s, got "
+                              f"{self.backoff_s} and {self.backoff_max_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffResult:
+    """What one successful hand-off did."""
+
+    version: int
+    path: str
+    """The resolved version directory the engine was told to load."""
+    seconds: float
+    """Wall time of the whole hand-off, retries included."""
+    pause_seconds: float | None
+    """How long generation was paused (vLLM: pause sent .. resume answered); None if not paused."""
+    attempts: int
+    """Attempts of the request that needed most (1 = everything succeeded at once)."""
+    detail: str
+
+
+class Handoff(Protocol):
+    """Something that makes an engine serve a model directory."""
+
+    name: str
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        """Make the engine serve ``path`` (version ``version``); raise HandoffError if it did not."""
+        ...
+
+
+# --- shared machinery ----------------------------------------------------------------------------
+class _Retrying:
+    """Retry transient failures of one step under a :class:`HandoffConfig`; count the attempts."""
+
+    name = "engine"
+
+    def __init__(self, config: HandoffConfig, sleep: Callable[[float], None]) -> None:
+        if not isinstance(config, HandoffConfig):
+            raise ConfigError(f"config must be a HandoffConfig, got {type(config).__name__}")
+        self.config = config
+        self._sleep = sleep
+        self._clock = time.monotonic
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> tuple[T, int]:
+        attempts = 0
+
+        def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            return fn()
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("%s hand-off: %s failed (attempt %d of %d), retrying: %s", self.name, what,
+                        state.attempt_number, self.config.attempts, exc)
+
+        retryer = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientHandoffError),
+            stop=tenacity.stop_after_attempt(self.config.attempts),
+            wait=tenacity.wait_exponential(multiplier=self.config.backoff_s, max=self.config.backoff_max_s),
+            sleep=self._sleep, before_sleep=before_sleep, reraise=False)
+        try:
+            return retryer(attempt), attempts
+        except tenacity.RetryError as err:
+            last = err.last_attempt.exception()
+            raise HandoffError(f"{self.name} hand-off: {what} still failing after {attempts} attempts "
+                               f"({last}); check that the engine is up and reachable, or raise "
+                               "HandoffConfig.attempts/timeout_s") from last
+
+
+def _real_dir(path: Path | str) -> Path:
+    """The resolved version directory (a ``current`` symlink resolves to the version it names)."""
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise HandoffError(f"model directory {path} does not exist ({exc}); write the version first") from exc
+    if not real.is_dir():
+        raise HandoffError(f"model directory {path} resolves to {real}, which is not a directory")
+    return real
+
+
+def _tail(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    text = text.strip()
+    return text if len(text) <= _TAIL else "…" + text[-_TAIL:]
+
+
+def _check_url(url: str) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/")
+
+
+class _HttpEngine(_Retrying):
+    """Requests to one engine base URL, with transient failures turned into TransientHandoffError."""
+
+    def __init__(self, url: str, config: HandoffConfig, sleep: Callable[[float], None]) -> None:
+        super().__init__(config, sleep)
+        import requests
+
+        self.url = _check_url(url)
+        self._requests = requests
+        self._session = requests.Session()
+
+    def _send(self, method: str, url: str, **kwargs: Any):
+        """One request; raise TransientHandoffError for what is worth retrying, else return the response."""
+        requests = self._requests
+        timeout = (min(10.0, self.config.timeout_s), self.config.timeout_s)
+        try:
+            response = self._session.request(method, url, timeout=timeout, **kwargs)
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+            raise TransientHandoffError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        except requests.RequestException as exc:
+            raise HandoffError(f"{method} {url}: {exc}; check the engine URL") from exc
+        if response.status_code == 429 or response.status_code >= 500:
+            raise TransientHandoffError(f"{method} {url} answered {response.status_code}: {_tail(response.text)}")
+        return response
+
+    def _post_ok(self, endpoint: str, **kwargs: Any) -> tuple[Any, int]:
+        """POST to an endpoint that must answer 2xx; return (response, attempts)."""
+        url = self.url + endpoint
+
+        def call():
+            response = self._send("POST", url, **kwargs)
+            if not 200 <= response.status_code < 300:
+                raise HandoffError(f"{self.name} refused POST {url} with {response.status_code}: "
+                                   f"{_tail(response.text)}")
+            return response
+
+        return self._retry(f"POST {endpoint}", call)
+
+
+# --- vLLM ----------------------------------------------------------------------------------------
+class VllmHandoff(_HttpEngine):
+    """vLLM: pause, ``reload_weights`` from the directory, reset the prefix cache, resume.
+
+    Needs ``VLLM_SERVER_DEV_MODE=1`` on the engine (the endpoints are dev-mode only). ``pause_mode``
+    is vLLM's: ``keep`` freezes in-flight requests and continues them on resume, ``wait`` lets them
+    finish first, ``abort`` aborts them. Resume is attempted whenever pause was sent — also when
+    pause itself failed (its answer may have been lost after the engine paused) — and a resume
+    that fails is reported in the error, since the engine may then stay paused.
+    """
+
+    name = "vllm"
+
+    def __init__(self, url: str, *, pause_mode: str = "keep", config: HandoffConfig = HandoffConfig(),
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if pause_mode not in VLLM_PAUSE_MODES:
+            raise ConfigError(f"vLLM pause_mode must be one of {', '.join(VLLM_PAUSE_MODES)}, got {pause_mode!r}")
+        super().__init__(url, config, sleep)
+        self.pause_mode = pause_mode
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        real = _real_dir(path)
+        start = self._clock()
+        most = 0
+        failure: BaseException | None = None
+        workers = 0
+        try:
+            _, n = self._post_ok("/pause", params={"mode": self.pause_mode})
+            most = max(most, n)
+            workers, n = self._reload(real)
+            most = max(most, n)
+            _, n = self._post_ok("/reset_prefix_cache")
+            most = max(most, n)
+        except BaseException as exc:  # resume below, whatever went wrong, then re-raise
+            failure = exc
+        try:
+            _, n = self._post_ok("/resume")
+            most = max(most, n)
+        except HandoffError as exc:
+            if failure is None:
+                raise HandoffError(f"vLLM at {self.url} reloaded {real} but did not resume ({exc}); it may "
+                                   f"stay paused: POST {self.url}/resume by hand") from exc
+            raise HandoffError(f"{failure}; resuming failed too ({exc}): the engine may stay paused, "
+                               f"POST {self.url}/resume by hand") from failure
+        if failure is not None:
+            raise failure
+        end = self._clock()
+        return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=end - start,
+                             attempts=most, detail=f"paused (mode={self.pause_mode}), reloaded on {workers} "
+                                                   "worker(s), prefix cache reset, resumed")
+
+    def _reload(self, real: Path) -> tuple[int, int]:
+        """``collective_rpc reload_weights``; every worker's result must be free of errors."""
+        url = self.url + "/collective_rpc"
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(real)}}
+
+        def call() -> int:
+            response = self._send("POST", url, json=body)
+            if response.status_code != 200:
+                raise HandoffError(f"vLLM refused reload_weights of {real} with {response.status_code}: "
+                                   f"{_tail(response.text)}")
+            try:
+                results = response.json()["results"]
+                if not isinstance(results, list):
+                    raise TypeError("results is not a list")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise HandoffError(f"vLLM answered reload_weights of {real} without a results list ({exc!r}): "
+                                   f"{_tail(response.text)}") from None
+            errors = [r for r in results if isinstance(r, dict) and r.get("error")]
+            if errors:
+                raise HandoffError(f"vLLM failed to reload_weights from {real}: {_tail(json.dumps(errors))}")
+            return len(results)
+
+        return self._retry("reload_weights", call)
+
+
+# --- SGLang --------------------------------------------------------------------------------------
+class SglangHandoff(_HttpEngine):
+    """SGLang: ``POST /update_weights_from_disk``; the answer's ``success`` decides (200 or 400)."""
+
+    name = "sglang"
+
+    def __init__(self, url: str, *, abort_all_requests: bool = False, config: HandoffConfig = HandoffConfig(),
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(url, config, sleep)
+        self.abort_all_requests = bool(abort_all_requests)
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        real = _real_dir(path)
+        start = self._clock()
+        url = self.url + "/update_weights_from_disk"
+        body = {"model_path": str(real), "weight_version": str(version), "flush_cache": True,
+                "abort_all_requests": self.abort_all_requests}
+
+        def call() -> dict:
+            response = self._send("POST", url, json=body)
+            try:
+                answer = response.json()
+                success = answer["success"]
+            except (ValueError, KeyError, TypeError):
+                raise HandoffError(f"SGLang answered update_weights_from_disk of {real} with "
+                                   f"{response.status_code} and no success flag: {_tail(response.text)}") from None
+            if success is not True:
+                raise HandoffError(f"SGLang refused to load {real} (version {version}): "
+                                   f"{answer.get('message', '(no message)')}")
+            return answer
+
+        answer, attempts = self._retry("update_weights_from_disk", call)
+        return HandoffResult(version=version, path=str(real), seconds=self._clock() - start, pause_seconds=None,
+                             attempts=attempts, detail=f"{answer.get('message', '')} (paused requests: "
+                                                       f"{answer.get('num_paused_requests', 'n/a')})")
+
+
+# --- any HTTP endpoint ---------------------------------------------------------------------------
+def render_template(template: str, path: str, version: int) -> str:
+    """Substitute ``{path}`` and ``{version}`` in a JSON body template, JSON-escaped.
+
+    Inside a JSON string (``"dir: {path}"``) a placeholder becomes the escaped text of the value;
+    outside one it becomes a whole JSON value: ``{path}`` a string, ``{version}`` a number. Quotes,
+    backslashes or newlines in the path therefore never break the JSON.
+    """
+    values = {"{path}": str(path), "{version}": str(int(version))}
+    out: list[str] = []
+    in_string = escaped = False
+    i = 0
+    while i < len(template):
+        ch = template[i]
+        if in_string and escaped:
+            escaped = False
+        elif in_string and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            in_string = not in_string
+        else:
+            token = next((t for t in values if template.startswith(t, i)), None)
+            if token is not None:
+                value = values[token]
+                if in_string:
+                    out.append(json.dumps(value)[1:-1])
+                else:
+                    out.append(value if token == "{version}" else json.dumps(value))
+                i += len(token)
+                continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+class HttpHandoff(_HttpEngine):
+    """Any HTTP endpoint: send the rendered JSON ``body_template``; any 2xx is success."""
+
+    name = "http"
+
+    def __init__(self, url: str, *, body_template: str, method: str = "POST",
+                 config: HandoffConfig = HandoffConfig(), sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(url, config, sleep)
+        if method.upper() not in ("POST", "PUT", "PATCH"):
+            raise ConfigError(f"HTTP hand-off method must be POST, PUT or PATCH, got {method!r}")
+        try:
+            json.loads(render_template(body_template, '/a "quoted"\\ path\n', 0))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"HTTP hand-off body template is not JSON once {{path}} and {{version}} are "
+                              f"filled in ({exc}): {body_template!r}") from None
+        self.body_template = body_template
+        self.method = method.upper()
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        real = _real_dir(path)
+        start = self._clock()
+        body = render_template(self.body_template, str(real), version).encode()
+
+        def call():
+            response = self._send(self.method, self.url, data=body, headers={"Content-Type": "application/json"})
+            if not 200 <= response.status_code < 300:
+                raise HandoffError(f"{self.method} {self.url} refused {real} with {response.status_code}: "
+                                   f"{_tail(response.text)}")
+            return response
+
+        response, attempts = self._retry(f"{self.method} {self.url}", call)
+        return HandoffResult(version=version, path=str(real), seconds=self._clock() - start, pause_seconds=None,
+                             attempts=attempts, detail=f"{response.status_code} {_tail(response.text)[:200]}")
+
+
+# --- a command -----------------------------------------------------------------------------------
+class ExecHandoff(_Retrying):
+    """Run ``argv`` with ``XCLUSTER_MODEL_DIR`` and ``XCLUSTER_VERSION`` added to the inherited
+    environment. Exit 0 is success; exit 75 (EX_TEMPFAIL) asks for a retry; anything else is a
+    refusal. Past ``timeout_s`` the command's whole process group is killed (not retried: it may
+    have half-done its work)."""
+
+    name = "exec"
+
+    def __init__(self, argv: Sequence[str], *, config: HandoffConfig = HandoffConfig(),
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(config, sleep)
+        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ConfigError(f"exec hand-off needs a non-empty list of argument strings, got {argv!r}")
+        self.argv = list(argv)
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        real = _real_dir(path)
+        start = self._clock()
+        env = {**os.environ, "XCLUSTER_MODEL_DIR": str(real), "XCLUSTER_VERSION": str(version)}
+        stdout, attempts = self._retry(f"command {self.argv[0]}", lambda: self._run(env))
+        return HandoffResult(version=version, path=str(real), seconds=self._clock() - start, pause_seconds=None,
+                             attempts=attempts, detail=f"exit 0 {_tail(stdout)[-200:]}".strip())
+
+    def _run(self, env: dict[str, str]) -> bytes:
+        try:
+            proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise HandoffError(f"cannot run hand-off command {self.argv!r}: {exc}") from exc
+        try:
+            stdout, stderr = proc.communicate(timeout=self.config.timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children would hold the pipes open
+            except ProcessLookupError:  # it ended just now
+                pass
+            _, stderr = proc.communicate()
+            raise HandoffError(f"hand-off command {self.argv!r} ran past {self.config.timeout_s} s and was "
+                               f"killed; stderr: {_tail(stderr)}") from None
+        if proc.returncode == EXIT_TEMPFAIL:
+            raise TransientHandoffError(f"hand-off command {self.argv!r} asked for a retry (exit 75): "
+                                        f"{_tail(stderr)}")
+        if proc.returncode != 0:
+            raise HandoffError(f"hand-off command {self.argv!r} failed with exit status {proc.returncode}; "
+                               f"stderr: {_tail(stderr)}")
+        return stdout
+
+
+# --- a Python function ---------------------------------------------------------------------------
+class CallbackHandoff(_Retrying):
+    """Call ``fn(path, version)``. It signals failure by raising; a TransientHandoffError is retried,
+    any other exception becomes a HandoffError at once."""
+
+    def __init__(self, fn: Callable[[Path, int], None], *, name: str = "callback",
+                 config: HandoffConfig = HandoffConfig(), sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(config, sleep)
+        if not callable(fn):
+            raise ConfigError(f"CallbackHandoff needs a callable, got {fn!r}")
+        self.fn = fn
+        self.name = name
+
+    def hand_over(self, path: Path, version: int) -> HandoffResult:
+        real = _real_dir(path)
+        start = self._clock()
+
+        def call() -> None:
+            try:
+                self.fn(real, version)
+            except HandoffError:
+                raise
+            except Exception as exc:
+                raise HandoffError(f"{self.name} hand-off of {real} failed: {exc!r}") from exc
+
+        _, attempts = self._retry(f"{self.name}()", call)
+        return HandoffResult(version=version, path=str(real), seconds=self._clock() - start, pause_seconds=None,
+                             attempts=attempts, detail="callback returned")
+
+
+def make_handoff(engine: str, *, url: str | None = None, body: str | None = None,
+                 exec_cmd: Sequence[str] | None = None, pause_mode: str = "keep",
+                 config: HandoffConfig = HandoffConfig()) -> Handoff:
+    """Build the preset for ``engine`` (``vllm``, ``sglang``, ``http``, ``exec``) from CLI-style values;
+    ``exec_cmd`` may be one string, split like a shell would (no shell runs it)."""
+    if engine in ("vllm", "sglang", "http") and not url:
+        raise ConfigError(f"engine {engine!r} needs an engine URL (--engine-url)")
+    if engine == "vllm":
+        return VllmHandoff(url, pause_mode=pause_mode, config=config)
+    if engine == "sglang":
+        return SglangHandoff(url, config=config)
+    if engine == "http":
+        if not body:
+            raise ConfigError("engine 'http' needs a JSON body template with {path} and/or {version}")
+        return HttpHandoff(url, body_template=body, config=config)
+    if engine == "exec":
+        if not exec_cmd:
+            raise ConfigError("engine 'exec' needs a command to run")
+        return ExecHandoff(shlex.split(exec_cmd) if isinstance(exec_cmd, str) else exec_cmd, config=config)
+    raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")

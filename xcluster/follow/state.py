@@ -1,0 +1,114 @@
+"""The daemon's crash-safe record of what it applied, under ``--out``.
+
+``OUT/state.json`` names the applied version, its model digest and manifest hash, and the version
+the engine last confirmed; ``OUT/state/manifest-<V>.json`` keeps that version's manifest bytes, so
+a restarted daemon can vouch for the model directory it finds (every tensor re-hashed against the
+manifest) and continue the chain without re-reading anything from the store. Every write is a
+temp file, fsync, rename, fsync of the directory: after ``kill -9`` at any moment the record is
+the old one or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..errors import StateFileError
+from ..format import xxh3_128
+
+STATE_FORMAT = "xcluster-daemon-state"
+MAX_STATE_BYTES = 1 << 20
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temp name, fsync, rename, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonState:
+    """What the daemon has applied and handed over, as recorded on disk."""
+
+    version: int
+    """The version whose complete model directory is ``OUT/versions/<version>``."""
+    model_digest: str
+    manifest_xxh3_128: str
+    committed_unix_ms: int | None = None
+    """When that version was committed (for staleness), if known."""
+    engine_version: int | None = None
+    """The version the engine last confirmed loading (None: not yet, or no engine)."""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": STATE_FORMAT, **asdict(self)}, sort_keys=True, indent=1).encode()
+
+    def with_engine(self, version: int | None) -> DaemonState:
+        return replace(self, engine_version=version)
+
+
+class StateStore:
+    """Reads and writes ``OUT/state.json`` and the manifest bytes beside it."""
+
+    def __init__(self, out: Path | str) -> None:
+        self.out = Path(out)
+        self.path = self.out / "state.json"
+        self.manifests = self.out / "state"
+
+    def manifest_path(self, version: int) -> Path:
+        return self.manifests / f"manifest-{version:012d}.json"
+
+    def load(self) -> tuple[DaemonState, bytes] | None:
+        """The recorded state and its manifest bytes; None if nothing was recorded yet.
+        Raises :class:`StateFileError` if the record is unreadable or its manifest is missing
+        or does not hash to the recorded value (the daemon then starts from the newest keyframe)."""
+        if not self.path.exists():
+            return None
+        try:
+            raw = self.path.read_bytes()
+            if len(raw) > MAX_STATE_BYTES:
+                raise ValueError("too large")
+            obj = json.loads(raw)
+            if not isinstance(obj, dict) or obj.pop("format", None) != STATE_FORMAT:
+                raise ValueError("not a daemon state file")
+            st = DaemonState(**obj)
+            if type(st.version) is not int or st.version < 1:
+                raise ValueError(f"bad version {st.version!r}")
+        except (OSError, ValueError, TypeError) as exc:
+            raise StateFileError(f"{self.path} is unreadable ({exc}); starting from the newest keyframe") from exc
+        mpath = self.manifest_path(st.version)
+        try:
+            mdata = mpath.read_bytes()
+        except OSError as exc:
+            raise StateFileError(f"{mpath} is missing ({exc}); starting from the newest keyframe") from exc
+        if xxh3_128(mdata) != st.manifest_xxh3_128:
+            raise StateFileError(f"{mpath} does not hash to the recorded {st.manifest_xxh3_128}; "
+                                 "starting from the newest keyframe")
+        return st, mdata
+
+    def save(self, state: DaemonState, manifest_data: bytes | None = None) -> None:
+        """Record ``state`` (manifest bytes first, then the state file that names them), and
+        drop manifests of other versions."""
+        if manifest_data is not None:
+            write_atomic(self.manifest_path(state.version), manifest_data)
+        write_atomic(self.path, state.to_bytes())
+        keep = self.manifest_path(state.version).name
+        if self.manifests.is_dir():
+            for p in self.manifests.iterdir():
+                if p.name != keep and p.name.startswith("manifest-"):
+                    p.unlink(missing_ok=True)
