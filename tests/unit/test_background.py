@@ -12,7 +12,7 @@ from xcluster import BackgroundPublishError, Publisher, PublisherConfig, Publish
 from xcluster.background import take_snapshot
 from xcluster.errors import (ConfigError, PublishCancelledError, PublisherClosedError, PublishTimeoutError,
                              StoreError)
-from xcluster.format import manifest_key, parse_manifest
+from xcluster.chain import find_link, read_head, read_manifest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
@@ -74,9 +74,13 @@ def background(store, *, on_commit=None, keyframe_every=8, **config) -> Publishe
 
 
 def committed_steps(store) -> list[int]:
-    sub = Subscriber(store=store.inner)
-    head = sub.sync()
-    return [parse_manifest(store.inner.get(manifest_key(v)).data).step for v in range(1, (head or 0) + 1)]
+    """The trainer step of every committed version, oldest first (each one verified by a subscriber)."""
+    head, _ = read_head(store.inner)
+    if head is None:
+        return []
+    assert Subscriber(store=store.inner).sync() == head.version
+    return [read_manifest(store.inner, find_link(store.inner, head, v)).manifest.step
+            for v in range(1, head.version + 1)]
 
 
 def reconstructed(store) -> dict[str, torch.Tensor]:
