@@ -67,7 +67,7 @@ def target_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
-def _check(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+def check_state(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> None:
     """Everything ``prepare_state`` would refuse, refused before any buffer is written."""
     for name, t in state_dict.items():
         check_tensor_name(name)
@@ -91,7 +91,7 @@ def take_snapshot(state_dict: Mapping[str, torch.Tensor], *, mode: str, dtype: t
     """
     if mode not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot mode must be one of {SNAPSHOT_MODES}, got {mode!r}")
-    _check(state_dict, dtype)
+    check_state(state_dict, dtype)
     pinned = mode == "pinned" and torch.cuda.is_available()
     reuse = reuse or {}
     out: dict[str, torch.Tensor] = {}
@@ -254,6 +254,7 @@ class BackgroundPublisher:
         """Snapshot ``state_dict`` and queue it; returns as soon as the copy is made (or enqueued
         on the CUDA stream). Raises the first unreported background failure instead of
         submitting (see :class:`BackgroundPublishError`)."""
+        check_state(state_dict, dtype)  # refuse bad input before touching the pending snapshot
         with self._submit_lock:
             with self._cond:
                 self._check_usable()
