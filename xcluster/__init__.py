@@ -1,14 +1,33 @@
-"""xcluster: lossless delta transport of model weights over object storage."""
+"""xcluster: lossless delta transport of model weights over object storage.
 
-from .background import BackgroundStats, PublishTicket
-from .codec.encode import CodecConfig
-from .digest import model_digest, tensor_digest
-from .errors import BackgroundPublishError, XclusterError
-from .publisher import Publisher, PublisherConfig, PublishResult
-from .store import open_store
-from .subscriber import AppliedVersion, Subscriber, SubscriberConfig
+Public names are imported lazily (module ``__getattr__``), so the torch-free parts — the CLI's
+``ls``, ``status``, ``gc``, a relay host — start without importing torch.
+"""
 
-__all__ = ["AppliedVersion", "BackgroundPublishError", "BackgroundStats", "CodecConfig", "Publisher",
-           "PublisherConfig", "PublishResult", "PublishTicket", "Subscriber", "SubscriberConfig", "XclusterError",
-           "model_digest", "open_store", "tensor_digest"]
-__version__ = "0.1.0"
+from importlib import import_module
+
+_EXPORTS = {
+    "AppliedVersion": ".subscriber", "Subscriber": ".subscriber", "SubscriberConfig": ".subscriber",
+    "Snapshot": ".subscriber",
+    "Publisher": ".publisher", "PublisherConfig": ".publisher", "PublishResult": ".publisher",
+    "PublishTicket": ".background", "BackgroundStats": ".background",
+    "BackgroundPublishError": ".errors",
+    "CodecConfig": ".codec.encode",
+    "model_digest": ".digest", "tensor_digest": ".digest",
+    "XclusterError": ".errors",
+    "open_store": ".store",
+}
+__all__ = sorted(_EXPORTS)
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'xcluster' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -163,6 +163,56 @@ def _add_subscribe(sub) -> None:
     p.set_defaults(func=cmd_subscribe)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from .status import fleet_status
+    from .store import open_store
+
+    fs = fleet_status(open_store(args.url), lease_ttl_s=args.lease_ttl)
+    if args.json:
+        print(json.dumps({"head": fs.head.version if fs.head else None, "subscribers": [
+            {"node": s.lease.node_id, "version": s.lease.version, "behind": s.behind, "staleness_s": s.staleness_s,
+             "engine_state": s.lease.engine_state, "engine_version": s.lease.engine_version, "live": s.live,
+             "lease_age_s": round(s.age_s, 3), "last_error": s.lease.last_error} for s in fs.subscribers],
+            "unreadable_leases": fs.unreadable}, indent=1))
+    else:
+        print(f"{args.url}: HEAD {'none' if fs.head is None else fs.head.version}"
+              f"{'' if fs.head is None else f' ({fs.head.kind}, keyframe {fs.head.keyframe_version})'}; "
+              f"{len(fs.subscribers)} subscriber(s)")
+        print(f"{'node':<24} {'version':>8} {'behind':>6} {'stale':>9} {'engine':<16} {'lease':<14} last error")
+        for s in fs.subscribers:
+            le = s.lease
+            eng = le.engine_state + (f" v{le.engine_version}" if le.engine_version is not None else "")
+            stale = "-" if s.staleness_s is None else f"{s.staleness_s:.1f}s"
+            lease = f"{'live' if s.live else 'EXPIRED'} {s.age_s:.0f}s"
+            print(f"{le.node_id:<24} {le.version if le.version is not None else '-':>8} "
+                  f"{s.behind if s.behind is not None else '-':>6} {stale:>9} {eng:<16} {lease:<14} "
+                  f"{(le.last_error or '')[:100]}")
+        for key in fs.unreadable:
+            print(f"unreadable lease: {key}")
+    if args.fail_if_behind is not None and any(
+            s.live and (s.behind is None or s.behind > args.fail_if_behind) for s in fs.subscribers):
+        return 3
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .retention import RetentionConfig, gc
+    from .store import open_store
+
+    report = gc(open_store(args.url), config=RetentionConfig(lease_ttl_s=args.lease_ttl, grace_s=args.grace),
+                apply=args.apply)
+    verb = "deleted" if report.applied else "would delete"
+    for key, size, why in report.deleted:
+        print(f"{verb:>12} {_human(size):>11}  {key}  ({why})")
+    for node, (a, b) in sorted(report.protected_by_leases.items()):
+        print(f"kept versions {a}..{b} for live subscriber {node}")
+    print(f"HEAD {report.head_version}: {verb} {len(report.deleted)} objects, {_human(report.bytes)}; "
+          f"kept {report.kept}{'' if report.applied else ' (dry run: --apply to delete)'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xcluster", description="Lossless delta transport of model weights.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -177,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--version", type=int, default=None, help="version to verify (default: HEAD)")
     ver.set_defaults(func=cmd_verify)
     _add_subscribe(sub)
+    st = sub.add_parser("status", help="the subscribers following a store, from their leases")
+    st.add_argument("url")
+    st.add_argument("--lease-ttl", type=float, default=300.0, help="a lease older than this is expired (s)")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--fail-if-behind", type=int, default=None,
+                    help="exit 3 if a live subscriber is more than N versions behind HEAD (alerting)")
+    st.set_defaults(func=cmd_status)
+    g = sub.add_parser("gc", help="retention: delete what neither HEAD nor a live subscriber needs (dry run)")
+    g.add_argument("url")
+    g.add_argument("--apply", action="store_true", help="delete (default: only print what would go)")
+    g.add_argument("--lease-ttl", type=float, default=300.0, help="leases fresher than this protect (s)")
+    g.add_argument("--grace", type=float, default=3600.0, help="never delete objects younger than this (s)")
+    g.set_defaults(func=cmd_gc)
     return p
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from .dtypes import DTYPE_NAMES, itemsize
+from .dtype_names import DTYPE_NAMES, itemsize
 from .errors import DecompressionBombError, FormatError, SchemaVersionError, UnsafeNameError
 
 SCHEMA_VERSION = 2

@@ -30,6 +30,7 @@ from .errors import ConfigError, XclusterError
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_tensor_name, chunk_key,
                      manifest_key, manifest_name_for, parse_manifest, xxh3_128)
+from .retention import RetentionConfig, gc
 from .store import Store, resolve_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,6 +56,10 @@ class PublisherConfig:
     """Also write a keyframe once the deltas since the last keyframe add up to more than this
     fraction of that keyframe's bytes, so a subscriber joining late downloads at most about
     ``1 + fraction`` keyframes' worth (plus one delta). None: by ``keyframe_every`` alone."""
+    gc_after_keyframe: RetentionConfig | None = None
+    """Run retention (``xcluster gc --apply`` with these settings) after each committed keyframe:
+    what HEAD and live subscribers need stays, the rest goes once past its grace. None: never
+    (run ``xcluster gc`` yourself, or use the bucket's lifecycle rules; see docs/RETENTION.md)."""
     background: bool = False
     """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.background.PublishTicket`);
     encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/background.py)."""
@@ -303,6 +308,13 @@ class Publisher:
             self._chain_bytes += delta_bytes
         self._base_model_digest, self._base_link = mdigest, (mname, mhash)
         self._base_version = version
+        if is_key and cfg.gc_after_keyframe is not None and version > 1:
+            try:
+                report = gc(self.store, config=cfg.gc_after_keyframe, now=self._clock, apply=True)
+                log.info("retention after keyframe %d: deleted %d objects (%d bytes)", version, len(report.deleted),
+                         report.bytes)
+            except Exception:  # retention is housekeeping: never fail a committed publish
+                log.warning("retention after keyframe %d failed", version, exc_info=True)
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,

@@ -45,6 +45,8 @@ class Blob:
 class Stat:
     size: int
     etag: str
+    modified_unix: float | None = None
+    """Last modification time (Unix seconds) where the backend knows it; retention's grace needs it."""
 
 
 def content_etag(data: bytes | memoryview) -> str:

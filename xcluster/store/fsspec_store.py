@@ -49,7 +49,14 @@ class FsspecStore:
 
     def stat(self, key: str) -> Stat:
         data = self._read(key)
-        return Stat(len(data), content_etag(data))
+        mtime = None
+        try:
+            info = self.fs.info(self._path(key))
+            raw = info.get("mtime", info.get("LastModified", info.get("created")))
+            mtime = raw.timestamp() if hasattr(raw, "timestamp") else (float(raw) if raw is not None else None)
+        except Exception:  # not every filesystem reports it
+            mtime = None
+        return Stat(len(data), content_etag(data), mtime)
 
     def list(self, prefix: str = "") -> list[str]:
         try:

@@ -69,7 +69,11 @@ class LocalStore:
     def stat(self, key: str) -> Stat:
         blob = self.get(key)
         assert blob is not None
-        return Stat(len(blob.data), blob.etag)
+        try:
+            mtime = self._path(key).stat().st_mtime
+        except OSError:
+            mtime = None
+        return Stat(len(blob.data), blob.etag, mtime)
 
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []

@@ -493,7 +493,8 @@ class S3Store:
         full = self._full(key)
         head = self._run(f"{self._where(key)}: head",
                          lambda: self._client.head_object(Bucket=self.bucket, Key=full))
-        return Stat(int(head["ContentLength"]), head["ETag"])
+        modified = head.get("LastModified")
+        return Stat(int(head["ContentLength"]), head["ETag"], modified.timestamp() if modified is not None else None)
 
     def list(self, prefix: str = "") -> list[str]:
         keys: list[str] = []

@@ -1,0 +1,138 @@
+"""Retention (gc) and fleet status on real stores built by the real Publisher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
+from xcluster.format import Lease, lease_key
+from xcluster.retention import RetentionConfig, gc
+from xcluster.status import fleet_status
+from xcluster.store import LocalStore
+from tests.unit.test_commit_protocol import weights
+
+FAR = 4e9  # "now" far in the future (2096): every object is past its grace
+
+
+def publish(store, n, keyframe_every=3):
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=keyframe_every, keyframe_chain_fraction=None),
+                    files={"config.json": b"{}"})
+    return pub, [pub.publish(weights(s)) for s in range(n)]
+
+
+def lease(store, node, *, version, target=None, age_s=0.0, now=FAR):
+    store.put(lease_key(node), Lease(node_id=node, version=version, target_version=target, model_digest=None,
+                                     updated_unix_ms=int((now - age_s) * 1000)).to_bytes())
+
+
+def test_dry_run_deletes_nothing_and_apply_keeps_what_head_needs(tmp_path):
+    store = LocalStore(tmp_path)
+    pub, res = publish(store, 8)  # keyframes 1, 4, 7; HEAD 8
+    before = sorted(store.list())
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR)
+    assert sorted(store.list()) == before and not report.applied
+    gone = {k for k, _, _ in report.deleted}
+    assert gone and all(k.startswith(("versions/000000000001/", "versions/000000000002/",
+                                      "versions/000000000003/", "versions/000000000004/",
+                                      "versions/000000000005/", "versions/000000000006/")) for k in gone)
+    assert report.bytes == sum(store.stat(k).size for k in gone)
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    sub = Subscriber(store=store)
+    assert sub.sync() == 8 and sub.model_digest == res[-1].model_digest
+    assert store.list("files/")  # still named by the kept manifests
+
+
+def test_young_objects_are_kept_whatever_is_asked(tmp_path):
+    store = LocalStore(tmp_path)
+    publish(store, 8)
+    report = gc(store, config=RetentionConfig(grace_s=3600), now=time.time, apply=True)
+    assert report.deleted == []
+
+
+def test_a_live_subscriber_mid_fetch_keeps_its_chain_until_its_lease_expires(tmp_path):
+    store = LocalStore(tmp_path)
+    pub, res = publish(store, 5)  # keyframes 1, 4; a subscriber holds 2 and fetches 3 (HEAD was 3)
+    for s in range(5, 8):
+        pub.publish(weights(s))  # HEAD 8, keyframe 7
+    lease(store, "slow", version=2, target=3)
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert report.protected_by_leases == {"slow": (3, 3)}
+    assert store.list("versions/000000000003/")
+    # the slow subscriber can still reach its target from what it holds
+    late = Subscriber(store=store)
+    assert late.sync(until=8) == 8
+    # once its lease expires, the next gc removes it
+    lease(store, "slow", version=2, target=3, age_s=10_000)
+    gc(store, config=RetentionConfig(grace_s=0, lease_ttl_s=300), now=lambda: FAR, apply=True)
+    assert store.list("versions/000000000003/") == []
+
+
+def test_unreferenced_attempts_and_files_go_after_grace(tmp_path):
+    store = LocalStore(tmp_path)
+    pub, _ = publish(store, 2)
+    store.put("versions/000000000002/manifest-dead.json", b"{}")
+    store.put("versions/000000000002/cdead-000000.xc", b"x")
+    store.put("versions/000000000009/manifest-zzz.json", b"{}")
+    store.put("files/" + "0" * 32, b"old tokenizer")
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    gone = {k for k, _, _ in report.deleted}
+    assert {"versions/000000000002/manifest-dead.json", "versions/000000000002/cdead-000000.xc",
+            "versions/000000000009/manifest-zzz.json", "files/" + "0" * 32} <= gone
+    assert Subscriber(store=store).sync() == 2
+
+
+def test_schema1_store_is_handled(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).parent.parent / "golden" / "v1" / "store"
+    shutil.copytree(src, tmp_path / "s")
+    store = LocalStore(tmp_path / "s")
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert Subscriber(store=store).sync() == 2
+
+
+def test_fleet_status_and_cli(tmp_path):
+    store = LocalStore(tmp_path)
+    publish(store, 4)
+    now = time.time()
+    store.put(lease_key("a"), Lease(node_id="a", version=4, target_version=None, model_digest=None,
+                                    updated_unix_ms=int(now * 1000), engine_state="ok", engine_version=4,
+                                    committed_unix_ms=int((now - 2) * 1000)).to_bytes())
+    store.put(lease_key("b"), Lease(node_id="b", version=1, target_version=None, model_digest=None,
+                                    updated_unix_ms=int((now - 4000) * 1000), engine_state="failing",
+                                    last_error="HandoffError: 503").to_bytes())
+    fs = fleet_status(store, now=lambda: now)
+    by = {s.lease.node_id: s for s in fs.subscribers}
+    assert by["a"].behind == 0 and by["a"].live and 1.5 < by["a"].staleness_s < 2.5
+    assert by["b"].behind == 3 and not by["b"].live
+    env = dict(os.environ, PYTHONPATH=str(tmp_path.parent))
+    out = subprocess.run([sys.executable, "-m", "xcluster.cli", "status", str(tmp_path), "--fail-if-behind", "0"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr  # b is behind but expired: not alerted
+    assert "HandoffError: 503" in out.stdout and "EXPIRED" in out.stdout
+    gc_out = subprocess.run([sys.executable, "-m", "xcluster.cli", "gc", str(tmp_path), "--grace", "0"],
+                            capture_output=True, text=True)
+    assert gc_out.returncode == 0 and "dry run" in gc_out.stdout
+    # neither command imports torch
+    probe = subprocess.run([sys.executable, "-c", "import sys, xcluster.cli as c; c.main(['status', sys.argv[1]]); "
+                            "assert 'torch' not in sys.modules, 'torch imported'", str(tmp_path)],
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    assert model_digest  # imported for symmetry with other tests
+
+
+def test_the_publisher_runs_retention_after_each_keyframe(tmp_path):
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, clock=lambda: FAR,
+                    config=PublisherConfig(keyframe_every=3, keyframe_chain_fraction=None,
+                                           gc_after_keyframe=RetentionConfig(grace_s=0)))
+    for s in range(7):  # keyframes 1, 4, 7
+        pub.publish(weights(s))
+    assert sorted({k.split("/")[1] for k in store.list("versions/")}) == ["000000000007"]
+    assert Subscriber(store=store).sync() == 7

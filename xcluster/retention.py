@@ -1,0 +1,168 @@
+"""Retention (``xcluster gc``), torch-free: keep what HEAD and live subscribers need, delete the rest.
+
+Kept, whatever else is asked:
+
+1. HEAD, and HEAD's chain back to its keyframe: each manifest on it and every chunk it names.
+2. For every *live* lease (updated within ``lease_ttl_s``): what that subscriber still needs. If
+   it is fetching a target that is not on HEAD's chain (it read HEAD just before a newer keyframe
+   was committed), every object under the version directories from the keyframe at or below its
+   applied version (or, when that cannot be read, from its applied version) up to its target.
+3. ``files/<hash>`` named by any kept manifest.
+4. Anything modified less than ``grace_s`` ago: in-flight fetches, a slow publisher's attempt
+   whose HEAD write may still land. Objects whose age the store cannot tell are kept.
+
+Everything else under ``versions/`` and ``files/`` goes: versions behind HEAD's keyframe, and the
+leftovers of failed attempts (manifests no chain names, their chunks). Leases expired for more
+than ``lease_expiry_factor × lease_ttl_s`` are deleted too. Dry run unless ``apply=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .chain import Link, read_head, read_manifest
+from .errors import ConfigError, ObjectNotFoundError, XclusterError
+from .format import KEYFRAME, MAX_MANIFEST_BYTES, chunk_key, file_key, parse_lease, parse_manifest, version_dir
+from .store import Store
+
+log = logging.getLogger(__name__)
+_VERSION_KEY = re.compile(r"versions/(\d{12})/(.+)")
+_MANIFEST = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionConfig:
+    lease_ttl_s: float = 300.0
+    """A lease updated within this many seconds protects what its subscriber needs."""
+    grace_s: float = 3600.0
+    """No object modified within this many seconds is deleted: far beyond the longest request, so
+    a fetch in flight or a HEAD write that is still travelling never loses what it needs."""
+    lease_expiry_factor: float = 30.0
+    """Leases older than this many TTLs are deleted (their subscriber is long gone)."""
+
+    def __post_init__(self) -> None:
+        if not self.lease_ttl_s > 0 or self.grace_s < 0 or not self.lease_expiry_factor >= 1:
+            raise ConfigError("lease_ttl_s must be > 0, grace_s >= 0 and lease_expiry_factor >= 1")
+
+
+@dataclass
+class GcReport:
+    head_version: int | None
+    kept: int = 0
+    """Objects kept under versions/, files/ and leases/."""
+    deleted: list[tuple[str, int, str]] = field(default_factory=list)
+    """(key, bytes, why) of what goes (or went, with ``apply``)."""
+    protected_by_leases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """node → (first, last) version range kept for it beyond HEAD's chain."""
+    applied: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b, _ in self.deleted)
+
+
+def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> int:
+    """Add ``link``'s chain back to its keyframe to ``keep``; returns the keyframe version."""
+    while True:
+        lm = read_manifest(store, link)
+        m = lm.manifest
+        keep.add(link.key)
+        keep.update(chunk_key(m.version, c.name) for c in m.chunks)
+        files.update(f.xxh3_128 for f in m.files)
+        if m.kind == KEYFRAME:
+            return m.version
+        link = Link.base_of(m)
+
+
+def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callable[[], float] = time.time,
+       apply: bool = False) -> GcReport:
+    t = now()
+    head, _ = read_head(store)
+    report = GcReport(head_version=head.version if head else None)
+    if head is None:
+        return report  # nothing committed: nothing is provably garbage
+    keep: set[str] = set()
+    files: set[str] = set()
+    head_keyframe = _chain(store, Link.of_head(head), keep, files)
+    keep_dirs: set[int] = set()
+    lease_keys = store.list("leases/")
+    stale_leases: list[str] = []
+    for key in lease_keys:
+        try:
+            lease = parse_lease(store.get(key).data, where=f"{store.url}/{key}")
+        except (XclusterError, ObjectNotFoundError) as exc:
+            log.warning("ignoring unreadable lease %s: %s", key, exc)
+            continue
+        age = t - lease.updated_unix_ms / 1000
+        if age > config.lease_ttl_s:
+            if age > config.lease_expiry_factor * config.lease_ttl_s:
+                stale_leases.append(key)
+            continue
+        target = lease.target_version
+        if target is None or target > head.version or target >= head_keyframe:
+            continue  # it reaches HEAD through HEAD's chain, or is idle
+        kf = _keyframe_of(store, target)  # the keyframe of the chain that target is on
+        held = lease.version
+        first = held + 1 if held is not None and kf <= held < target else kf
+        keep_dirs.update(range(first, target + 1))
+        report.protected_by_leases[lease.node_id] = (first, target)
+    for key in store.list("versions/"):
+        m = _VERSION_KEY.fullmatch(key)
+        if key in keep or (m and int(m.group(1)) in keep_dirs):
+            report.kept += 1
+            continue
+        if m and int(m.group(1)) > head.version:
+            why = "above HEAD: an attempt that never committed"
+        elif m and int(m.group(1)) < head_keyframe:
+            why = f"behind HEAD's keyframe ({head_keyframe})"
+        else:
+            why = "not named by HEAD's chain: a failed attempt's leftover"
+        _consider(store, key, why, t, config, report)
+    for key in store.list("files/"):
+        if key.rsplit("/", 1)[-1] in files:
+            report.kept += 1
+        else:
+            _consider(store, key, "no kept manifest names it", t, config, report)
+    for key in lease_keys:
+        if key in stale_leases:
+            _consider(store, key, f"lease expired more than {config.lease_expiry_factor:g}× its TTL ago", t,
+                      config, report, grace=False)
+        else:
+            report.kept += 1
+    if apply:
+        for key, _, _ in report.deleted:
+            store.delete(key)
+        report.applied = True
+    return report
+
+
+def _keyframe_of(store: Store, version: int) -> int:
+    """The smallest keyframe_version any manifest of ``version`` names (conservative: keeps more);
+    1 when none can be read."""
+    found = []
+    for k in store.list(version_dir(version) + "/"):
+        if _MANIFEST.fullmatch(k.rsplit("/", 1)[1]):
+            try:
+                found.append(parse_manifest(store.get_range(k, 0, MAX_MANIFEST_BYTES + 1)).keyframe_version)
+            except XclusterError:
+                continue
+    return min(found, default=1)
+
+
+def _consider(store: Store, key: str, why: str, t: float, config: RetentionConfig, report: GcReport,
+              *, grace: bool = True) -> None:
+    try:
+        st = store.stat(key)
+    except ObjectNotFoundError:
+        return
+    if grace and (st.modified_unix is None or t - st.modified_unix < config.grace_s):
+        report.kept += 1  # too young, or of unknown age: a request may still need it
+        return
+    report.deleted.append((key, st.size, why))
+
+
+__all__ = ["GcReport", "RetentionConfig", "gc", "file_key"]
