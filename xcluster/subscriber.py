@@ -29,6 +29,7 @@ from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, RollbackError,
                      TruncatedObjectError)
+from .fsutil import write_atomic
 from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, chunk_key, parse_manifest, xxh3_128
 from .store import Store, resolve_store
 
@@ -281,7 +282,7 @@ class Subscriber:
                                             "corrupt in storage or in transit")
             else:
                 if cached is not None:
-                    _write_atomic(cached, data)
+                    write_atomic(cached, data, sync_dir=False)
                 if self.on_chunk is not None:
                     self.on_chunk(m, c.size)
                 return data
@@ -315,9 +316,9 @@ class Subscriber:
                               f"({self.config.max_model_bytes})")
         chunks = self._fetch_all(m, mhash)
         t1 = time.perf_counter()
-        with self._lock:
-            self._patch_and_verify(m, mhash, chunks, where, lm.data)
-        del chunks
+        with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
+            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, where, lm.data))
+        chunks.clear()  # free the compressed bytes now
         self.stats.versions_applied += 1
         self.prune_chunk_cache()
         t2 = time.perf_counter()
@@ -387,20 +388,27 @@ class Subscriber:
                 got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
                 if got != m.model_digest:
                     raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
+                # swap before anything else can be interrupted (the pool's shutdown below can be):
+                # one statement, no call in between, so weights and label move together
+                self._state, self._held = ({t.name: target[i] for i, t in enumerate(m.tensors)},
+                                           _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data))
                 ok = True
             finally:
                 if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
                     _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
-        self._state = {t.name: target[i] for i, t in enumerate(m.tensors)}
-        self._held = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data)
 
 
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
     """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
     call has finished or was cancelled before starting, even if this thread is interrupted
     (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then."""
-    futures: list[Future] = [pool.submit(fn, i) for i in range(n)]
+    futures: list[Future] = []
     interrupt: BaseException | None = None
+    try:
+        for i in range(n):
+            futures.append(pool.submit(fn, i))
+    except BaseException as exc:  # noqa: BLE001 - interrupted while submitting: stop submitting, wait below
+        interrupt = exc
     while True:
         try:
             wait(futures)
@@ -414,25 +422,37 @@ def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> l
     return [f.result() for f in futures]
 
 
-def _shielded(fn: Callable[[], object]) -> None:
-    """Run ``fn`` to its end on another thread, whatever interrupts this one; then re-raise."""
-    t = threading.Thread(target=fn, name="xc-undo")
-    t.start()
-    interrupt: BaseException | None = None
-    while t.is_alive():
+def _shielded(fn: Callable[[], object]) -> object:
+    """Run ``fn`` to its end on another thread, whatever interrupts this one, and return its
+    result (or raise its error). Python runs signal handlers only in the main thread, so nothing
+    ``fn`` does can be cut short by KeyboardInterrupt or a handler's SystemExit; such an
+    interrupt is re-raised here once ``fn`` is done."""
+    done = threading.Event()
+    box: list = [None, None]
+
+    def run() -> None:
         try:
-            t.join()
+            box[0] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box[1] = exc
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run, name="xc-apply")
+    interrupt: BaseException | None = None
+    try:
+        t.start()
+    except BaseException as exc:  # noqa: BLE001 - interrupted inside start(): the thread may run anyway
+        interrupt = exc
+        if not t.ident:  # it never started
+            run()
+    while not done.is_set():
+        try:
+            done.wait()
         except BaseException as exc:  # noqa: BLE001 - re-raised once fn is done
             interrupt = interrupt or exc
+    if box[1] is not None:
+        raise box[1]
     if interrupt is not None:
         raise interrupt
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return box[0]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..fsutil import fsync_path, write_synced
 from ..errors import ConfigError, ModelDirError
 
 log = logging.getLogger(__name__)
@@ -141,14 +142,14 @@ class ModelDir:
         try:
             tmp.mkdir()
             self._write_into(tmp, state, names, extra)
-            _fsync_dir(tmp)
+            fsync_path(tmp, directory=True)
             if final.exists():
                 self._remove(final)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self._versions)
+        fsync_path(self._versions, directory=True)
         return final
 
     def _write_into(self, tmp: Path, state: Mapping[str, torch.Tensor], names: list[str],
@@ -170,11 +171,11 @@ class ModelDir:
                 save_file(tensors, str(tmp / shard_name), metadata={"format": "pt"})
             except Exception as exc:  # safetensors raises plain ValueError/RuntimeError
                 raise ModelDirError(f"writing {tmp / shard_name} failed: {exc}") from exc
-            _fsync_file(tmp / shard_name)
+            fsync_path(tmp / shard_name)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_synced(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        write_synced(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
         for name, data in extra.items():
-            _write_synced(tmp / name, data)
+            write_synced(tmp / name, data)
 
     def switch_current(self, version: int) -> None:
         """Point ``current`` at ``versions/<version>`` atomically (symlink + rename, then fsync root)."""
@@ -189,7 +190,7 @@ class ModelDir:
         tmp.unlink(missing_ok=True)
         os.symlink(os.path.join(VERSIONS_NAME, str(version)), tmp)
         os.replace(tmp, link)
-        _fsync_dir(self.root)
+        fsync_path(self.root, directory=True)
 
     # --- reading ---------------------------------------------------------------------------------
     def load(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
@@ -281,7 +282,7 @@ class ModelDir:
         for v in doomed:
             self._remove(self.path(v))
         if doomed:
-            _fsync_dir(self._versions)
+            fsync_path(self._versions, directory=True)
         return doomed
 
     def clean_partial(self) -> list[Path]:
@@ -406,24 +407,3 @@ def _shard_sizes(path: Path) -> dict[str, int]:
     return sizes
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
