@@ -64,10 +64,14 @@ def check_current(out: Path, digests: dict[int, str]) -> int | None:
 def kill_loop(url: str, out: Path, env: dict, trials: int, digests: dict[int, str], rng: random.Random,
               publishing: threading.Event) -> list[int | None]:
     seen = []
-    for _ in range(trials):
+    for i in range(trials):
         proc = subprocess.Popen(daemon_cmd(url, out), env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 2.5))  # anywhere: start-up, resume, fetch, apply, dir write, lease
+        if i == 0:  # let the first run lay down a version, however slow the machine is
+            end = time.monotonic() + 90
+            while not (out / "state.json").exists() and time.monotonic() < end and proc.poll() is None:
+                time.sleep(0.05)
+        time.sleep(rng.uniform(0.3, 3.0))  # anywhere: start-up, resume, fetch, apply, dir write, lease
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         seen.append(check_current(out, digests))
