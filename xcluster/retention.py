@@ -7,7 +7,7 @@ Kept, whatever else is asked:
    it is fetching a target that is not on HEAD's chain (it read HEAD just before a newer keyframe
    was committed), every object under the version directories from the keyframe at or below its
    applied version (or, when that cannot be read, from its applied version) up to its target.
-3. ``files/<hash>`` named by any kept manifest.
+3. ``files/<hash>`` named by any kept manifest, including every manifest in a lease-kept version.
 4. Anything modified less than ``grace_s`` ago: in-flight fetches, a slow publisher's attempt
    whose HEAD write may still land. Objects whose age the store cannot tell are kept.
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from .chain import Link, read_head, read_manifest
 from .errors import ConfigError, ObjectNotFoundError, XclusterError
-from .format import KEYFRAME, MAX_MANIFEST_BYTES, chunk_key, file_key, parse_lease, parse_manifest, version_dir
+from .format import (KEYFRAME, MAX_MANIFEST_BYTES, Manifest, chunk_key, file_key, parse_lease, parse_manifest,
+                     version_dir)
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         first = held + 1 if held is not None and kf <= held < target else kf
         keep_dirs.update(range(first, target + 1))
         report.protected_by_leases[lease.node_id] = (first, target)
+    for v in sorted(keep_dirs):
+        files.update(_files_named_in(store, v))
     for key in store.list("versions/"):
         m = _VERSION_KEY.fullmatch(key)
         if key in keep or (m and int(m.group(1)) in keep_dirs):
@@ -134,23 +137,39 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         else:
             report.kept += 1
     if apply:
-        for key, _, _ in report.deleted:
+        # Manifests first: a reader then finds a version gone, never a manifest whose chunks are.
+        for key, _, _ in sorted(report.deleted, key=lambda d: not _is_manifest_key(d[0])):
             store.delete(key)
         report.applied = True
     return report
 
 
+def _is_manifest_key(key: str) -> bool:
+    m = _VERSION_KEY.fullmatch(key)
+    return bool(m and _MANIFEST.fullmatch(m.group(2)))
+
+
+def _manifests_of(store: Store, version: int) -> list[Manifest]:
+    """Every readable manifest (any attempt) of ``version``."""
+    found = []
+    for k in store.list(version_dir(version) + "/"):
+        if _is_manifest_key(k):
+            try:
+                found.append(parse_manifest(store.get_range(k, 0, MAX_MANIFEST_BYTES + 1)))
+            except (XclusterError, ObjectNotFoundError):
+                continue
+    return found
+
+
 def _keyframe_of(store: Store, version: int) -> int:
     """The smallest keyframe_version any manifest of ``version`` names (conservative: keeps more);
     1 when none can be read."""
-    found = []
-    for k in store.list(version_dir(version) + "/"):
-        if _MANIFEST.fullmatch(k.rsplit("/", 1)[1]):
-            try:
-                found.append(parse_manifest(store.get_range(k, 0, MAX_MANIFEST_BYTES + 1)).keyframe_version)
-            except XclusterError:
-                continue
-    return min(found, default=1)
+    return min((m.keyframe_version for m in _manifests_of(store, version)), default=1)
+
+
+def _files_named_in(store: Store, version: int) -> set[str]:
+    """Hashes of the files any manifest of ``version`` names: a leased subscriber fetches them too."""
+    return {f.xxh3_128 for m in _manifests_of(store, version) for f in m.files}
 
 
 def _consider(store: Store, key: str, why: str, t: float, config: RetentionConfig, report: GcReport,

@@ -10,7 +10,7 @@ import time
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
-from xcluster.format import Lease, lease_key
+from xcluster.format import Lease, file_key, lease_key
 from xcluster.retention import RetentionConfig, gc
 from xcluster.status import fleet_status
 from xcluster.store import LocalStore
@@ -70,6 +70,41 @@ def test_a_live_subscriber_mid_fetch_keeps_its_chain_until_its_lease_expires(tmp
     lease(store, "slow", version=2, target=3, age_s=10_000)
     gc(store, config=RetentionConfig(grace_s=0, lease_ttl_s=300), now=lambda: FAR, apply=True)
     assert store.list("versions/000000000003/") == []
+
+
+def test_files_a_leased_version_names_are_kept_with_it(tmp_path):
+    store = LocalStore(tmp_path)
+    pub, _ = publish(store, 5)  # every manifest so far names config.json = b"{}"
+    slow = Subscriber(store=store)
+    assert slow.sync(until=2) == 2
+    for s in range(5, 8):
+        pub.publish(weights(s), files={"config.json": b'{"v": 2}'})  # HEAD's chain names only the new one
+    lease(store, "slow", version=2, target=3)
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert report.protected_by_leases == {"slow": (3, 3)}
+    assert len(store.list("files/")) == 2, "the leased target still names the old config.json"
+    assert slow.sync(until=3) == 3
+    (entry,) = slow.manifest.files
+    assert store.get(file_key(entry.xxh3_128)).data == b"{}"
+    lease(store, "slow", version=3, target=None, age_s=10_000)
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert len(store.list("files/")) == 1
+
+
+def test_apply_deletes_manifests_before_their_chunks(tmp_path):
+    deleted = []
+
+    class Recording(LocalStore):
+        def delete(self, key):
+            deleted.append(key)
+            super().delete(key)
+
+    store = Recording(tmp_path)
+    publish(store, 8)
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    kinds = ["manifest" in k.rsplit("/", 1)[-1] for k in deleted]
+    assert True in kinds and False in kinds
+    assert kinds == sorted(kinds, reverse=True), "a manifest was deleted after a chunk"
 
 
 def test_unreferenced_attempts_and_files_go_after_grace(tmp_path):
