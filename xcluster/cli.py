@@ -1,4 +1,5 @@
-"""``xcluster`` command line: demo, ls, verify. It only fills in configs and calls the library."""
+"""``xcluster`` command line: demo, subscribe, status, gc, ls, verify, keygen. It only fills in
+configs and calls the library."""
 
 from __future__ import annotations
 
@@ -81,14 +82,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def report(ev) -> None:
         print(f"  version {ev.version:>6} {ev.kind:<9} {_human(ev.bytes_fetched):>11}  digest {ev.model_digest} ✓")
 
-    sub = Subscriber(args.url, config=SubscriberConfig(), on_apply=report)
+    sub = Subscriber(args.url, config=SubscriberConfig(trusted_keys=tuple(args.trust), run_id=args.run_id),
+                     on_apply=report)
     t0 = time.perf_counter()
     v = sub.sync(until=args.version)
     if v is None:
         print(f"{args.url}: empty store, nothing to verify")
         return 1
-    print(f"verified version {v}: every chunk checksum and tensor digest matched "
-          f"({len(sub.manifest.tensors)} tensors, {_human(sub.manifest.model_bytes)}) in {time.perf_counter() - t0:.2f}s")
+    m = sub.manifest
+    signed = ""
+    if sub.verifier is not None:
+        signed = f"; HEAD and every manifest signed by a trusted key (version {v}: key {m.signature.key_id})"
+    elif m.signature is not None:
+        signed = f"; signed by key {m.signature.key_id} but NOT checked (pass --trust KEY.pub)"
+    print(f"verified version {v} of run {m.run_id or '-'}: every chunk checksum and tensor digest matched "
+          f"({len(m.tensors)} tensors, {_human(m.model_bytes)}) in {time.perf_counter() - t0:.2f}s{signed}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from .signing import generate_keypair
+
+    priv, pub, kid = generate_keypair(args.path)
+    print(f"key {kid}\n  private (the trainer's; keep it secret): {priv}\n  public (give to subscribers: --trust): {pub}")
     return 0
 
 
@@ -116,7 +132,8 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
         out=Path(args.out), poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once,
         node_id=args.node_id or default_node_id(), lease_every_s=args.lease_interval,
         model_dir=ModelDirConfig(shard_bytes=args.shard_size, keep=args.keep),
-        subscriber=SubscriberConfig(fetch_workers=args.fetch_workers),
+        subscriber=SubscriberConfig(fetch_workers=args.fetch_workers, trusted_keys=tuple(args.trust),
+                                    run_id=args.run_id, max_staleness_s=args.max_staleness),
         notify=notify_socket is not None, notify_socket=notify_socket,
         progress=sys.stderr.isatty() and not args.no_progress)
     metrics = DaemonMetrics()
@@ -153,6 +170,10 @@ def _add_subscribe(sub) -> None:
     p.add_argument("--keep", type=int, default=2, help="old version directories kept besides current (default 2)")
     p.add_argument("--shard-size", type=int, default=5 * 10**9, help="bytes per safetensors shard (default 5 GB)")
     p.add_argument("--fetch-workers", type=int, default=8, help="chunks fetched in parallel")
+    _add_trust(p)
+    p.add_argument("--max-staleness", type=float, default=None, metavar="SECONDS",
+                   help="refuse a HEAD committed longer ago than this (a frozen or replayed store; see "
+                        "docs/SECURITY.md); what is held keeps being served")
     p.add_argument("--node-id", help="name in leases/<node-id>.json (default: hostname)")
     p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
@@ -213,6 +234,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_trust(p) -> None:
+    p.add_argument("--trust", action="append", default=[], metavar="KEY.pub",
+                   help="accept only versions signed by this Ed25519 public key (repeat for a rotation; "
+                        "default: $XCLUSTER_TRUSTED_KEYS / $XCLUSTER_TRUSTED_KEY_FILES, else unchecked)")
+    p.add_argument("--run-id", default=None, help="accept only versions of this training run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xcluster", description="Lossless delta transport of model weights.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,7 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="reconstruct a version from its keyframe and check every digest")
     ver.add_argument("url")
     ver.add_argument("--version", type=int, default=None, help="version to verify (default: HEAD)")
+    _add_trust(ver)
     ver.set_defaults(func=cmd_verify)
+    kg = sub.add_parser("keygen", help="write a new Ed25519 signing key (PATH) and its public key (PATH.pub)")
+    kg.add_argument("path")
+    kg.set_defaults(func=cmd_keygen)
     _add_subscribe(sub)
     st = sub.add_parser("status", help="the subscribers following a store, from their leases")
     st.add_argument("url")

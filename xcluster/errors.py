@@ -91,6 +91,21 @@ class RollbackError(XclusterError):
     (rolled back, or replaced by a stale copy). The subscriber refuses and keeps what it has."""
 
 
+class SignatureError(IntegrityError):
+    """A subscriber that trusts signing keys met a HEAD or manifest that is unsigned, signed by a
+    key it does not trust, or whose signature does not verify. It keeps its last good weights."""
+
+
+class RunMismatchError(XclusterError):
+    """A version belongs to another training run than the one this subscriber follows (a replay
+    of another run's validly signed versions into this prefix, or a --run-id pin that differs)."""
+
+
+class StaleHeadError(XclusterError):
+    """HEAD was committed longer ago than the subscriber's ``max_staleness_s`` allows: the trainer
+    stopped publishing, or the store is frozen or replayed. Nothing is applied; what is held stays."""
+
+
 class ChainBrokenError(XclusterError):
     """The chain from the newest keyframe to the requested version is incomplete."""
 

@@ -7,16 +7,21 @@ manifest fails here with a named error.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
 
 from .dtype_names import DTYPE_NAMES, itemsize
 from .errors import DecompressionBombError, FormatError, SchemaVersionError, UnsafeNameError
+
+SIGNATURE_ALGS = ("ed25519",)
+SIGNATURE_BYTES = 64
 
 SCHEMA_VERSION = 2
 """What this writer produces. Schema 2 adds per-attempt manifest names (HEAD.manifest,
@@ -64,6 +69,8 @@ _HEX128 = re.compile(r"[0-9a-f]{32}")
 _MANIFEST_NAME = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_RUN_ID = re.compile(r"[a-z0-9]{1,32}")
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
@@ -144,6 +151,59 @@ def canonical_json(obj: Any) -> bytes:
 
 def xxh3_128(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
+
+
+# --- signatures ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """An Ed25519 signature over an object's *signed payload*: the canonical JSON of the object
+    without its ``signature`` member (docs/FORMAT.md §Signatures). xcluster/signing.py makes
+    and checks them; this module only carries and validates them."""
+
+    alg: str
+    key_id: str
+    """First 16 hex digits of SHA-256 of the raw 32-byte public key."""
+    value: bytes
+
+    def to_obj(self) -> dict[str, str]:
+        return {"alg": self.alg, "key_id": self.key_id, "value": base64.b64encode(self.value).decode("ascii")}
+
+
+def check_run_id(run_id: Any) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise FormatError(f"run id {run_id!r} must be 1-32 characters of [a-z0-9]")
+    return run_id
+
+
+def _signature(obj: dict, where: str) -> tuple[Signature | None, bytes | None]:
+    """The object's signature and signed payload (None, None when unsigned)."""
+    raw = obj.get("signature")
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict) or set(raw) != {"alg", "key_id", "value"}:
+        raise FormatError(f"{where}: 'signature' must be an object with exactly alg, key_id and value")
+    alg = _str(raw, "alg", f"{where}: signature", choices=SIGNATURE_ALGS)
+    kid = _str(raw, "key_id", f"{where}: signature", pattern=_KEY_ID)
+    value = raw["value"]
+    try:
+        if not isinstance(value, str) or len(value) > 4 * SIGNATURE_BYTES:
+            raise ValueError("not a short string")
+        sig = base64.b64decode(value, validate=True)
+    except (ValueError, binascii.Error):
+        raise FormatError(f"{where}: signature value is not base64") from None
+    if len(sig) != SIGNATURE_BYTES:
+        raise FormatError(f"{where}: a {alg} signature is {SIGNATURE_BYTES} bytes, got {len(sig)}")
+    return Signature(alg, kid, sig), canonical_json({k: v for k, v in obj.items() if k != "signature"})
+
+
+def _run_id(obj: dict, where: str) -> str | None:
+    v = obj.get("run_id")
+    if v is None:
+        return None
+    try:
+        return check_run_id(v)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
 
 
 # --- schema ----------------------------------------------------------------------------------
@@ -238,6 +298,12 @@ class Manifest:
     files: tuple[FileEntry, ...] = ()
     """Schema 2: the complete set of non-weight files of this version, sorted by name."""
     schema_version: int = SCHEMA_VERSION
+    run_id: str | None = None
+    """Optional (schema 2): the training run this version belongs to; a signature covers it."""
+    signature: Signature | None = None
+    """Optional (schema 2): the publisher's signature over the signed payload."""
+    signed_payload: bytes | None = field(default=None, repr=False, compare=False)
+    """Set by the parser on a signed manifest: the bytes its signature covers."""
 
     @property
     def total_elements(self) -> int:
@@ -276,7 +342,15 @@ class Manifest:
         if self.schema_version >= 2:
             obj["base_manifest"] = self.base_manifest
             obj["files"] = [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files]
+            if self.run_id is not None:
+                obj["run_id"] = self.run_id
+            if self.signature is not None:
+                obj["signature"] = self.signature.to_obj()
         return obj
+
+    def payload(self) -> bytes:
+        """The bytes a signature of this manifest covers (its canonical JSON without ``signature``)."""
+        return canonical_json({k: v for k, v in self.to_obj().items() if k != "signature"})
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.to_obj())
@@ -349,7 +423,9 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     schema = obj["schema_version"]
     base_manifest = None
     files: list[FileEntry] = []
+    run_id, (signature, payload) = None, (None, None)
     if schema >= 2:
+        run_id, (signature, payload) = _run_id(obj, where), _signature(obj, where)
         base_manifest = obj.get("base_manifest")
         if kind == KEYFRAME and base_manifest is not None:
             raise FormatError(f"{where}: a keyframe has no base_manifest")
@@ -420,7 +496,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
                     changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
-                    schema_version=schema)
+                    schema_version=schema, run_id=run_id, signature=signature, signed_payload=payload)
 
 
 def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
@@ -532,18 +608,35 @@ class Head:
     manifest: str = V1_MANIFEST_NAME
     """The name of the version's manifest object under ``versions/<V>/`` (schema 1: manifest.json)."""
     schema_version: int = SCHEMA_VERSION
+    run_id: str | None = None
+    """Optional (schema 2): the training run, as in the manifest HEAD names."""
+    signature: Signature | None = None
+    """Optional (schema 2): the publisher's signature: a signed "version V, manifest M, is the
+    newest as of committed_unix_ms" statement."""
+    signed_payload: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def manifest_key(self) -> str:
         return manifest_key(self.version, self.manifest)
 
-    def to_bytes(self) -> bytes:
+    def to_obj(self) -> dict[str, Any]:
         obj = {"format": HEAD_FORMAT, "schema_version": self.schema_version,
                "version": self.version, "kind": self.kind, "keyframe_version": self.keyframe_version,
                "manifest_xxh3_128": self.manifest_xxh3_128, "committed_unix_ms": self.committed_unix_ms}
         if self.schema_version >= 2:
             obj["manifest"] = self.manifest
-        return canonical_json(obj)
+            if self.run_id is not None:
+                obj["run_id"] = self.run_id
+            if self.signature is not None:
+                obj["signature"] = self.signature.to_obj()
+        return obj
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.to_obj())
+
+    def payload(self) -> bytes:
+        """The bytes a signature of this HEAD covers."""
+        return canonical_json({k: v for k, v in self.to_obj().items() if k != "signature"})
 
 
 def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
@@ -559,7 +652,8 @@ def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
             check_manifest_name(name)
         except UnsafeNameError as exc:
             raise FormatError(f"{where}: field 'manifest' is invalid: {exc}") from None
-        head = replace(head, manifest=name)
+        signature, payload = _signature(obj, where)
+        head = replace(head, manifest=name, run_id=_run_id(obj, where), signature=signature, signed_payload=payload)
     if head.keyframe_version > head.version:
         raise FormatError(f"{where}: keyframe_version {head.keyframe_version} > version {head.version}")
     return head

@@ -26,11 +26,12 @@ from .codec.encode import CodecConfig, apply_update, encode_version
 from .commit import Committer, LateCommitError
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
-from .errors import ConfigError, XclusterError
+from .errors import ConfigError, FormatError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_tensor_name, chunk_key,
-                     manifest_key, manifest_name_for, parse_manifest, xxh3_128)
+from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_run_id,
+                     check_tensor_name, chunk_key, manifest_key, manifest_name_for, parse_manifest, xxh3_128)
 from .retention import RetentionConfig, gc
+from .signing import load_signer
 from .store import Store, resolve_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,6 +71,14 @@ class PublisherConfig:
     close_timeout_s: float = 60.0
     """Background mode, at interpreter exit: how long the version in flight may take to commit before it
     is abandoned (it stays invisible). The snapshot still waiting is dropped with a warning."""
+    signing_key: str | None = None
+    """Path of an Ed25519 private key (PEM, from ``xcluster keygen``): every manifest and HEAD is
+    signed with it. None: ``$XCLUSTER_SIGNING_KEY`` / ``$XCLUSTER_SIGNING_KEY_FILE`` when set, else
+    unsigned (see xcluster/signing.py, docs/SECURITY.md)."""
+    run_id: str | None = None
+    """The training run's id ([a-z0-9], at most 32), written into every manifest and HEAD (and so
+    covered by the signature). None: continue the run HEAD names, or start a new random one. A
+    different id than HEAD's is refused: one run per prefix."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.keyframe_every <= MAX_CHAIN:
@@ -85,6 +94,11 @@ class PublisherConfig:
             raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s must be >= 0 (seconds), got {self.close_timeout_s}")
+        if self.run_id is not None:
+            try:
+                check_run_id(self.run_id)
+            except FormatError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +169,10 @@ class Publisher:
         self._since_keyframe = 0
         self._keyframe_bytes = 0
         self._chain_bytes = 0  # bytes of the deltas since the last keyframe
+        self._signer = load_signer(self.config.signing_key)
         self._committer = Committer(self.store)
+        self.run_id = self._run_id(self._committer.head)
+        """The training run every version of this publisher belongs to."""
         self._files = FileSet(self.store)
         if files is not None:
             self._files.set(collect_files(files))
@@ -171,6 +188,20 @@ class Publisher:
             self.background = BackgroundPublisher(
                 self._publish_sync, where=self.store.url, snapshot=self.config.snapshot,
                 close_timeout_s=self.config.close_timeout_s, on_commit=lambda r: self.on_commit and self.on_commit(r))
+
+    def _run_id(self, head: Head | None) -> str:
+        want = self.config.run_id
+        if head is not None and head.run_id is not None:
+            if want is not None and want != head.run_id:
+                raise ConfigError(f"{self.store.url} holds run {head.run_id!r} (HEAD version {head.version}); this "
+                                  f"publisher was given run_id {want!r}: use a new prefix for a new run")
+            return head.run_id
+        return want or secrets.token_hex(8)
+
+    @property
+    def signing_key_id(self) -> str | None:
+        """The id of the key this publisher signs with (None: unsigned)."""
+        return self._signer.key_id if self._signer else None
 
     @property
     def version(self) -> int:
@@ -278,13 +309,18 @@ class Publisher:
                 keyframe_version=version if is_key else self._keyframe_version,
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements, files=self._files.entries)
+                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
+            if self._signer is not None:
+                manifest = self._signer.sign(manifest)
             mbytes = manifest.to_bytes()
             parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version, mname)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
             committed = self._clock()
             head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
-                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000), manifest=mname)
+                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000), manifest=mname,
+                        run_id=self.run_id)
+            if self._signer is not None:
+                head = self._signer.sign(head)
             manifest_attempted = True
             outcome = c.commit(head, mbytes, tags=tags)
         except BaseException:

@@ -28,9 +28,10 @@ from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, RollbackError,
-                     TruncatedObjectError)
+                     RunMismatchError, StaleHeadError, TruncatedObjectError)
 from .fsutil import write_atomic
-from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, chunk_key, parse_manifest, xxh3_128
+from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, check_run_id, chunk_key, parse_manifest, xxh3_128
+from .signing import load_verifier
 from .store import Store, resolve_store
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,18 @@ class SubscriberConfig:
     chunk_cache_dir: str | None = None
     """Keep verified chunks here until their version is applied, so a process killed halfway
     through a big version resumes without fetching them again. None: chunks live in memory only."""
+    trusted_keys: tuple[str, ...] = ()
+    """Paths of Ed25519 public keys (PEM, several for a key rotation). Every HEAD and manifest must
+    then be signed by one of them, or :class:`SignatureError` is raised and nothing changes. Empty:
+    ``$XCLUSTER_TRUSTED_KEYS`` / ``$XCLUSTER_TRUSTED_KEY_FILES`` when set, else no signature checks."""
+    run_id: str | None = None
+    """Follow only this training run: a HEAD or manifest of another run raises
+    :class:`RunMismatchError`. None: the run of the first version applied (a keyframe of another
+    run later is refused all the same)."""
+    max_staleness_s: float | None = None
+    """Refuse (``StaleHeadError``, nothing applied, what is held stays) a HEAD committed longer
+    ago than this: with signed HEADs, a replayed or frozen store shows as staleness instead of
+    passing for the truth. Set it above the longest pause between two publishes."""
 
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
@@ -63,6 +76,15 @@ class SubscriberConfig:
             raise ConfigError("integrity_retries must be >= 0")
         if not 1 <= self.max_chain <= MAX_CHAIN:
             raise ConfigError(f"max_chain must be in [1, {MAX_CHAIN}] (format.MAX_CHAIN), got {self.max_chain}")
+        if isinstance(self.trusted_keys, (str, bytes)):
+            raise ConfigError("trusted_keys is a tuple of paths, not one string")
+        if self.run_id is not None:
+            try:
+                check_run_id(self.run_id)
+            except FormatError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.max_staleness_s is not None and not self.max_staleness_s > 0:
+            raise ConfigError(f"max_staleness_s must be > 0 seconds or None, got {self.max_staleness_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,19 +143,24 @@ class _Held:
 class Subscriber:
     def __init__(self, url: str | None = None, *, store: Store | None = None,
                  config: SubscriberConfig | None = None,
-                 on_apply: Callable[[AppliedVersion], None] | None = None) -> None:
+                 on_apply: Callable[[AppliedVersion], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = resolve_store(url, store, "Subscriber")
         self.config = config or SubscriberConfig()
         self.on_apply = on_apply
         self.on_chunk: Callable[[Manifest, int], None] | None = None
         """Called from fetch threads with each verified chunk's size (progress bars)."""
         self.stats = SubscriberStats()
+        self.verifier = load_verifier(self.config.trusted_keys)
+        """Checks signatures when trusted keys are configured (None: no checks)."""
+        self._clock = clock
         self._sync_lock = threading.Lock()  # one sync at a time
         self._lock = threading.RLock()  # guards what is held; taken while patching, never while fetching
         self._state: dict[str, torch.Tensor] = {}
         self._held: _Held | None = None
         self._head_etag: str | None = None
         self._head: Head | None = None
+        self._floor = 0  # never go below this version (what a restarted daemon had applied)
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -171,6 +198,11 @@ class Subscriber:
         """The current verified weights (see :meth:`snapshot` to read their version with them)."""
         return self.snapshot(copy=copy).state
 
+    def refuse_below(self, version: int) -> None:
+        """Never apply a version below ``version`` (:class:`RollbackError`), even holding nothing:
+        a daemon whose saved weights could not be restored still remembers how far it had got."""
+        self._floor = max(self._floor, version)
+
     def restore(self, state: Mapping[str, torch.Tensor], manifest_data: bytes) -> int:
         """Start from weights kept elsewhere (the daemon's model directory after a restart) and
         the bytes of the manifest they are said to be: every tensor is re-hashed and must match
@@ -178,6 +210,7 @@ class Subscriber:
         version now held; later ``sync()`` calls apply only what comes after it."""
         m = parse_manifest(manifest_data, where="restored manifest")
         where = f"restored version {m.version}"
+        self._check_trust(m, None, where=where)
         if set(state) != {t.name for t in m.tensors}:
             raise DigestMismatchError(f"{where}: tensor names differ from the manifest's")
         tensors: dict[str, torch.Tensor] = {}
@@ -216,6 +249,7 @@ class Subscriber:
             if head is None:
                 return self.version
             held = self._held
+            self._check_head(head, held)
             target = Link.of_head(head)
             if until is not None and until < head.version:
                 target = find_link(self.store, head, until, max_chain=self.config.max_chain,
@@ -228,6 +262,11 @@ class Subscriber:
                         f"{self.store.url}: HEAD names version {target.version} but this subscriber already "
                         f"holds version {held.version}: the store was rolled back or replaced by an older copy; "
                         f"it keeps serving version {held.version} and refuses to go backwards")
+            if target.version < self._floor:
+                raise RollbackError(
+                    f"{self.store.url}: HEAD names version {target.version} but version {self._floor} was already "
+                    "applied here before a restart: the store was rolled back or replaced by an older copy; "
+                    "this subscriber refuses to go backwards")
             # a chain longer than max_chain is refused before any manifest is read
             if (held is None or held.version < head.keyframe_version) and target.version == head.version \
                     and head.version - head.keyframe_version + 1 > self.config.max_chain:
@@ -247,8 +286,44 @@ class Subscriber:
             plan = walk_back(self.store, target, stop=reaches_held, max_chain=self.config.max_chain,
                              retries=self.config.integrity_retries, on_retry=count_retry)
             for lm in plan:
+                self._check_trust(lm.manifest, head, where=f"{self.store.url}/{lm.link.key}")
                 self._apply(lm, head)
             return self.version
+
+    # --- trust ----------------------------------------------------------------------------------
+    def _check_head(self, head: Head, held: _Held | None) -> None:
+        """Signature, run and freshness of a HEAD, before anything it names is read."""
+        where = f"{self.store.url}/HEAD (version {head.version})"
+        if self.verifier is not None:
+            self.verifier.verify(head, where=where)
+        self._check_run(head.run_id, held, where=where)
+        max_age = self.config.max_staleness_s
+        if max_age is not None:
+            age = self._clock() - head.committed_unix_ms / 1000
+            if age > max_age:
+                keeps = f"keeps serving version {held.version}" if held else "holds no weights yet"
+                raise StaleHeadError(
+                    f"{where} was committed {age:.0f} s ago, more than max_staleness_s ({max_age:g} s): the trainer "
+                    f"stopped publishing, or the store is frozen or replaying an old HEAD; this subscriber {keeps}")
+
+    def _check_trust(self, m: Manifest, head: Head | None, *, where: str) -> None:
+        """A manifest's signature and run, before any of its chunks is fetched."""
+        if self.verifier is not None:
+            self.verifier.verify(m, where=where)
+            if head is not None and m.run_id != head.run_id:
+                raise RunMismatchError(f"{where} belongs to run {m.run_id!r}, HEAD to run {head.run_id!r}")
+        self._check_run(m.run_id, self._held, where=where)
+
+    def _check_run(self, run_id: str | None, held: _Held | None, *, where: str) -> None:
+        want = self.config.run_id
+        if want is not None and run_id != want:
+            raise RunMismatchError(f"{where} belongs to run {run_id!r}; this subscriber follows run {want!r}")
+        have = held.manifest.run_id if held is not None else None
+        if have is not None and run_id is not None and run_id != have:
+            raise RunMismatchError(
+                f"{where} belongs to run {run_id!r}, but the weights held (version {held.version}) are of run "
+                f"{have!r}: another run's versions were put under this prefix; this subscriber keeps serving "
+                f"version {held.version}")
 
     # --- fetching (no lock held: readers of the current weights are never kept waiting) ------
     def _cache_path(self, m: Manifest, mhash: str, name: str) -> Path | None:

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
+from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
 GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
+GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
+"""A published test key (never use it for anything else): Ed25519 signatures are deterministic,
+so the signed golden objects pin the signature bytes too."""
 """Written by schema 1 (xcluster 0.1): never regenerated, must stay readable."""
 
 
@@ -33,7 +36,8 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
 
 def write(root: Path) -> None:
     pub = Publisher(store=LocalStore(root, fsync=False),
-                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096)),
+                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096),
+                                           run_id="golden", signing_key=str(GOLDEN_KEY)),
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
                     files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
@@ -59,7 +63,8 @@ def test_writer_produces_the_golden_bytes(tmp_path):
 @pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])
 def test_golden_objects_decode(tmp_path, golden):
     shutil.copytree(golden, tmp_path / "s")
-    sub = Subscriber(str(tmp_path / "s"))
+    trust = (str(GOLDEN_KEY) + ".pub",) if golden == GOLDEN else ()
+    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
     assert sub.sync(until=1) == 1
     assert_state_equal(sub.state_dict(), golden_versions()[0])
     assert sub.sync() == 2

@@ -198,6 +198,7 @@ class Daemon:
         if rec is None:
             return
         st, mdata = rec
+        self.subscriber.refuse_below(st.version)  # whatever happens next, the store may not go backwards
         try:
             state, files = self.model_dir.load(st.version)
             self.subscriber.restore(state, mdata)
