@@ -1,5 +1,5 @@
 """``xcluster`` command line: demo, subscribe, status, gc, ls, verify, keygen. It only fills in
-configs and calls the library."""
+configs and calls the library (relay included)."""
 
 from __future__ import annotations
 
@@ -234,6 +234,64 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    from .follow.logs import setup_logging
+    from .relay import Relay, RelayConfig, default_relay_id
+    from .retention import RetentionConfig
+
+    setup_logging(args.log_format, args.log_level)
+    from .store import open_store
+
+    retention = RetentionConfig(lease_ttl_s=args.gc_lease_ttl, grace_s=args.gc_grace) if args.gc else None
+
+    def side(url: str, profile: str | None, endpoint: str | None):
+        if profile is None and endpoint is None:
+            return open_store(url)
+        from .store.s3config import S3Config
+
+        return open_store(url, s3=S3Config(profile=profile, endpoint_url=endpoint))
+
+    relay = Relay(src_store=side(args.src, args.src_profile, args.src_endpoint),
+                  dst_store=side(args.dst, args.dst_profile, args.dst_endpoint), config=RelayConfig(
+        poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once, workers=args.workers,
+        node_id=args.node_id or default_relay_id(), lease_every_s=args.lease_interval,
+        trusted_keys=tuple(args.trust), gc=retention))
+    relay.install_signal_handlers()
+    code = relay.run()
+    s = relay.stats
+    print(f"relay stopped at version {relay.version}: {s.versions_copied} version(s), {s.objects_copied} object(s) "
+          f"copied ({_human(s.bytes_from_source)} read from the source), {s.objects_present} already present",
+          file=sys.stderr)
+    return code
+
+
+def _add_relay(sub) -> None:
+    p = sub.add_parser("relay", help="mirror a remote store into a cluster-local one, verbatim and in commit "
+                       "order: one WAN copy per cluster (runs until stopped)")
+    p.add_argument("src", help="the remote store (URL)")
+    p.add_argument("dst", help="the cluster-local store its subscribers read (URL)")
+    for end in ("src", "dst"):
+        p.add_argument(f"--{end}-profile", help=f"AWS profile for the {end} store (its credentials and "
+                       "endpoint_url; default: the standard chain)")
+        p.add_argument(f"--{end}-endpoint", help=f"S3 endpoint URL of the {end} store (default: the profile's, "
+                       "$AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the source's HEAD")
+    p.add_argument("--backoff-max", type=float, default=30.0, help="longest wait while failing (s)")
+    p.add_argument("--once", action="store_true", help="copy what is there, then exit")
+    p.add_argument("--workers", type=int, default=8, help="objects copied in parallel")
+    p.add_argument("--node-id", help="name of this relay's lease in the source (default: relay-<hostname>)")
+    p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
+    p.add_argument("--trust", action="append", default=[], metavar="KEY.pub",
+                   help="copy only versions signed by this key (subscribers check again)")
+    p.add_argument("--gc", action="store_true", help="after each keyframe, run retention on the destination "
+                   "by its subscribers' leases")
+    p.add_argument("--gc-grace", type=float, default=3600.0, help="with --gc: never delete younger objects (s)")
+    p.add_argument("--gc-lease-ttl", type=float, default=300.0, help="with --gc: leases fresher than this protect")
+    p.add_argument("--log-format", choices=["plain", "json"], default="plain")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_relay)
+
+
 def _add_trust(p) -> None:
     p.add_argument("--trust", action="append", default=[], metavar="KEY.pub",
                    help="accept only versions signed by this Ed25519 public key (repeat for a rotation; "
@@ -259,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("path")
     kg.set_defaults(func=cmd_keygen)
     _add_subscribe(sub)
+    _add_relay(sub)
     st = sub.add_parser("status", help="the subscribers following a store, from their leases")
     st.add_argument("url")
     st.add_argument("--lease-ttl", type=float, default=300.0, help="a lease older than this is expired (s)")

@@ -17,10 +17,11 @@ loaded, so it is looked up in ``sys.modules``.
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import tenacity
@@ -65,6 +66,24 @@ def is_transient(exc: BaseException) -> bool:
     if parsers is not None and isinstance(exc, parsers.ResponseParserError):
         return True
     return isinstance(exc, (ConnectionError, TimeoutError))  # stdlib resets, refusals, timeouts
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with full jitter between ``base`` and ``cap`` seconds, for loops that
+    poll (the daemon, the relay): ``next_delay()`` after each failure, ``reset()`` after a success."""
+
+    base: float
+    cap: float
+    failures: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return self.rng.uniform(self.base, min(self.cap, self.base * 2 ** self.failures))
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 @dataclass(kw_only=True, frozen=True)

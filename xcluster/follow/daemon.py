@@ -22,7 +22,6 @@ SIGTERM/SIGINT finish the step in progress and exit 0.
 from __future__ import annotations
 
 import logging
-import random
 import signal
 import socket
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
                       StoreError, XclusterError)
 from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
+from ..retry import Backoff
 from ..store import Store, resolve_store
 from ..subscriber import AppliedVersion, Subscriber, SubscriberConfig
 from .handoff import Handoff, HandoffResult
@@ -91,23 +91,6 @@ class DaemonConfig:
         check_node_id(self.node_id)
 
 
-@dataclass
-class _Backoff:
-    """Exponential backoff with full jitter between ``base`` and ``cap`` seconds."""
-
-    base: float
-    cap: float
-    failures: int = 0
-    rng: random.Random = field(default_factory=random.Random)
-
-    def next_delay(self) -> float:
-        self.failures += 1
-        return self.rng.uniform(self.base, min(self.cap, self.base * 2 ** self.failures))
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
 class Daemon:
     """Follows a store into a model directory and an engine. ``run()`` blocks until stopped."""
 
@@ -137,8 +120,8 @@ class Daemon:
                               engine=getattr(handoff, "name", "none") if handoff is not None else "none")
         self._lease_at = 0.0
         self._ready_sent = False
-        self._store_backoff = _Backoff(config.poll_s, config.backoff_max_s)
-        self._handoff_backoff = _Backoff(config.poll_s, config.backoff_max_s)
+        self._store_backoff = Backoff(config.poll_s, config.backoff_max_s)
+        self._handoff_backoff = Backoff(config.poll_s, config.backoff_max_s)
         self._handoff_at = 0.0
         self._target: int | None = None
         self._follow_ok = True
