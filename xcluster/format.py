@@ -389,8 +389,11 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                 or any(type(s) is not int or s < 0 or s > MAX_VERSION for s in shape)):
             raise FormatError(f"{tw} ({name}): shape {shape!r} is not a list of at most {MAX_DIMS} "
                               "non-negative integers")
-        if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-            raise FormatError(f"{tw} ({name}): {math.prod(shape)} elements is over the limit")
+        # torch computes strides and storage size with every dim counted as at least 1, even
+        # when another dim is 0: bounding that product bounds numel and keeps them in int64
+        if math.prod(max(s, 1) for s in shape) > MAX_TENSOR_ELEMENTS:
+            raise FormatError(f"{tw} ({name}): shape {shape} is over the limit: the product of its dims, "
+                              f"each counted as at least 1, must be at most 2**44")
         init = _str(t, "init", tw, choices=(INIT_BASE, INIT_NONE))
         if kind == KEYFRAME and init != INIT_NONE:
             raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")

@@ -27,10 +27,11 @@ from .codec.decode import Fill, Patch, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
-                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, RollbackError,
-                     TruncatedObjectError)
+                     DigestMismatchError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
+                     RollbackError, TruncatedObjectError)
 from .fsutil import write_atomic
-from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, chunk_key, parse_manifest, xxh3_128
+from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, chunk_key, parse_manifest,
+                     xxh3_128)
 from .store import Store, resolve_store
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class SubscriberConfig:
     before the version is refused with ChecksumMismatchError."""
     max_model_bytes: int = 1 << 40
     """Refuse a manifest whose weights would need more memory than this (checked before allocating)."""
+    max_tensor_bytes: int | None = None
+    """Refuse a manifest with a single tensor larger than this, before fetching anything
+    (None: only ``max_model_bytes`` bounds it). An allocation that fails anyway raises
+    ResourceLimitError."""
     max_chain: int = MAX_CHAIN
     """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
     shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
@@ -59,6 +64,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
             raise ConfigError("fetch_workers and decode_workers must be >= 1")
+        if self.max_model_bytes < 1 or (self.max_tensor_bytes is not None and self.max_tensor_bytes < 1):
+            raise ConfigError("max_model_bytes and max_tensor_bytes must be >= 1 byte")
         if self.integrity_retries < 0:
             raise ConfigError("integrity_retries must be >= 0")
         if not 1 <= self.max_chain <= MAX_CHAIN:
@@ -311,9 +318,7 @@ class Subscriber:
         t0 = time.perf_counter()
         m, mhash = lm.manifest, lm.link.xxh3_128
         where = f"{self.store.url}/{lm.link.key}"
-        if m.model_bytes > self.config.max_model_bytes:
-            raise FormatError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
-                              f"({self.config.max_model_bytes})")
+        self._check_limits(m, where)
         chunks = self._fetch_all(m, mhash)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
@@ -329,6 +334,19 @@ class Subscriber:
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
         if self.on_apply is not None:
             self.on_apply(ev)
+
+    def _check_limits(self, m: Manifest, where: str) -> None:
+        """Refuse, before fetching or allocating anything, a version whose weights exceed the
+        configured memory limits."""
+        cfg = self.config
+        if m.model_bytes > cfg.max_model_bytes:
+            raise ResourceLimitError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
+                                     f"({cfg.max_model_bytes})")
+        cap = cfg.max_tensor_bytes
+        big = max(m.tensors, key=lambda t: t.nbytes, default=None)
+        if cap is not None and big is not None and big.nbytes > cap:
+            raise ResourceLimitError(f"{where}: tensor {big.name} ({big.dtype}{list(big.shape)}, {big.nbytes} bytes) "
+                                     f"exceeds max_tensor_bytes ({cap})")
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
         """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or
@@ -350,7 +368,7 @@ class Subscriber:
                                             "subscriber's tensor differs in name, dtype or shape")
                 target.append(cur)
             else:
-                target.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype)))
+                target.append(_alloc(t, where))
         applied: list[tuple[torch.Tensor, Patch]] = []
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
@@ -396,6 +414,16 @@ class Subscriber:
             finally:
                 if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
                     _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
+
+
+def _alloc(t: TensorEntry, where: str) -> torch.Tensor:
+    """A fresh tensor for ``t``; an allocation the machine refuses is a named error."""
+    try:
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise ResourceLimitError(f"{where}: cannot allocate {t.name} ({t.dtype}{list(t.shape)}, {t.nbytes} "
+                                 f"bytes): {str(exc).splitlines()[0][:200]}; lower the model size or raise the "
+                                 "memory available to this process") from exc
 
 
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
