@@ -459,8 +459,11 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
         if encoding == SPARSE_SUB:
-            if not 0 < nnz <= count:
-                raise FormatError(f"{bw}: segment of {te.name} has nnz {nnz} outside (0, {count}]")
+            # sparse past half the elements is never smaller than dense-sub (writers switch at
+            # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
+            if not 0 < 2 * nnz <= count:
+                raise FormatError(f"{bw}: sparse-sub segment of {te.name} has nnz {nnz} outside (0, {count // 2}] "
+                                  f"(half its count {count}): such ranges are carried as dense-sub")
         elif nnz != count:
             raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
         if (encoding == PLANES) != (te.init == INIT_NONE):

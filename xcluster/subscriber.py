@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .chain import Link, LinkedManifest, find_link, poll_head, walk_back
-from .codec.decode import Fill, Patch, decode_block, fill, patch
+from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
@@ -52,6 +52,10 @@ class SubscriberConfig:
     """Refuse a manifest with a single tensor larger than this, before fetching anything
     (None: only ``max_model_bytes`` bounds it). An allocation that fails anyway raises
     ResourceLimitError."""
+    max_block_bytes: int = 8 << 30
+    """Refuse, before fetching anything, a version with a block whose decoding would hold more
+    than this (``codec.decode.block_memory``, from the manifest's sizes). A block written with
+    ``CodecConfig.block_bytes`` B needs about 2-4 B; B is at most 1 GiB."""
     max_chain: int = MAX_CHAIN
     """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
     shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
@@ -64,8 +68,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
             raise ConfigError("fetch_workers and decode_workers must be >= 1")
-        if self.max_model_bytes < 1 or (self.max_tensor_bytes is not None and self.max_tensor_bytes < 1):
-            raise ConfigError("max_model_bytes and max_tensor_bytes must be >= 1 byte")
+        if min(self.max_model_bytes, self.max_block_bytes, self.max_tensor_bytes or 1) < 1:
+            raise ConfigError("max_model_bytes, max_tensor_bytes and max_block_bytes must be >= 1 byte")
         if self.integrity_retries < 0:
             raise ConfigError("integrity_retries must be >= 0")
         if not 1 <= self.max_chain <= MAX_CHAIN:
@@ -347,6 +351,10 @@ class Subscriber:
         if cap is not None and big is not None and big.nbytes > cap:
             raise ResourceLimitError(f"{where}: tensor {big.name} ({big.dtype}{list(big.shape)}, {big.nbytes} bytes) "
                                      f"exceeds max_tensor_bytes ({cap})")
+        for bi, b in enumerate(m.blocks):
+            if (need := block_memory(b)) > cfg.max_block_bytes:
+                raise ResourceLimitError(f"{where}: block {bi} ({b.encoding}) needs {need} bytes to decode, more than "
+                                         f"max_block_bytes ({cfg.max_block_bytes})")
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
         """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or

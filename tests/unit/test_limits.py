@@ -23,15 +23,16 @@ def add_tensor(o: dict, name: str, shape: list[int]) -> int:
 
 
 def add_huge_tensor(o: dict) -> None:
-    """A 512 GiB uint8 tensor, fully covered by planes segments whose streams claim 64 GiB each
-    (all well-formed), carried by an 8-byte chunk: only an allocation limit stops it."""
+    """A 512 GiB uint8 tensor, fully covered by planes segments in 64 blocks of 8 GiB (each
+    within the default max_block_bytes; all well-formed), carried by a 64-byte chunk: only an
+    allocation limit stops it."""
     t = add_tensor(o, "zz_huge", [HUGE])
     ci = len(o["chunks"])
-    o["chunks"].append({"name": "chuge-000000.xc", "size": 8, "xxh3_128": xxh3_128(b"\0" * 8)})
-    per_block = (1 << 36) // (1 << 31)
-    for b in range(HUGE // (1 << 36)):
+    o["chunks"].append({"name": "chuge-000000.xc", "size": 64, "xxh3_128": xxh3_128(b"\0" * 64)})
+    per_block = (1 << 33) // (1 << 31)
+    for b in range(HUGE // (1 << 33)):
         o["blocks"].append({"chunk": ci, "offset": b, "encoding": "planes", "width": 1,
-                            "streams": [["zstd", 1, 1 << 36]],
+                            "streams": [["zstd", 1, 1 << 33]],
                             "segments": [[t, (b * per_block + k) << 31, 1 << 31, 1 << 31]
                                          for k in range(per_block)]})
 
@@ -71,9 +72,92 @@ def test_allocation_failure_is_a_named_error(env):
     store, _, sub = env
     before = sub.model_digest
     rewrite_manifest(store, 2, add_huge_tensor)
-    store.put("versions/000000000002/chuge-000000.xc", b"\0" * 8)
+    store.put("versions/000000000002/chuge-000000.xc", b"\0" * 64)
     m = parse_manifest(store.get(mkey(store, 2)).data)
     assert m.model_bytes < SubscriberConfig().max_model_bytes
     with pytest.raises(ResourceLimitError, match="zz_huge"):
         sub.sync()
     assert_untouched(sub, before)
+
+
+# --- decode memory: one sparse block over a whole uint8 tensor --------------------------------
+def sparse_store(tmp_path, n: int, every: int, config: SubscriberConfig | None = None):
+    """v1: a uint8 keyframe of ``n`` elements, held by a subscriber; v2: +1 at every
+    ``every``-th element, rewritten as one sparse-sub block over the whole tensor, with honest
+    chunk, digests and HEAD."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from xcluster import Publisher, PublisherConfig
+    from xcluster.codec import streams
+    from xcluster.digest import model_digest, tensor_digest
+    from xcluster.store import LocalStore
+    from tests.unit.test_bad_input import rewrite_manifest as rewrite
+
+    store = LocalStore(tmp_path / "s", fsync=False)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    u0 = torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8)
+    pub.publish({"u": u0})
+    sub = Subscriber(store=store, config=config)
+    assert sub.sync() == 1
+    u1 = u0.clone()
+    u1[::every] += 1
+    pub.publish({"u": u1})
+    nnz = len(range(0, n, every))
+    gaps = np.full(nnz, every - 1, np.uint32)
+    gaps[0] = 0
+    planes = [gaps.view(np.uint8).reshape(-1, 4)[:, i].copy() for i in range(4)] + [np.full(nnz, 2, np.uint8)]
+    enc = [streams.compress([p], level=1) for p in planes]
+    payload = b"".join(p for _, p in enc)
+    old = json.loads(store.get(mkey(store, 2)).data)
+    key = f"versions/000000000002/{old['chunks'][0]['name']}"
+    store.put(key, payload)
+
+    def mutate(o):
+        o["chunks"] = [{"name": old["chunks"][0]["name"], "size": len(payload), "xxh3_128": xxh3_128(payload)}]
+        o["blocks"] = [{"chunk": 0, "offset": 0, "encoding": "sparse-sub", "width": 1,
+                        "streams": [[c, len(p), nnz] for c, p in enc], "segments": [[0, 0, n, nnz]]}]
+        o["tensors"][0]["digest"] = tensor_digest(u1)
+        o["model_digest"] = model_digest({"u": u1})
+    rewrite(store, 2, mutate)
+    return store, sub, u0, u1
+
+
+def test_sparse_segment_denser_than_half_is_refused(tmp_path):
+    """nnz == count is what no writer produces (dense-sub is smaller from 25% on, and writers
+    may not use sparse past half): refused by the format before anything is decoded."""
+    store, sub, u0, _ = sparse_store(tmp_path, 1 << 16, 1)
+    with pytest.raises(FormatError, match="nnz"):
+        sub.sync()
+    assert sub.version == 1 and bool((sub.state_dict()["u"] == u0).all())
+
+
+def test_sparse_decode_memory_is_bounded_by_the_tensor(tmp_path):
+    """The densest legal sparse block over a uint8 tensor (every other element changed) is
+    decoded without int64 positions for all of it: peak traced memory stays a small multiple
+    of the tensor's bytes (it was ~16x)."""
+    import tracemalloc
+
+    n = 8 << 20
+    store, sub, _, u1 = sparse_store(tmp_path, n, 2, SubscriberConfig(decode_workers=1))
+    tracemalloc.start()
+    try:
+        assert sub.sync() == 2
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert bool((sub.state_dict()["u"] == u1).all())
+    assert peak < 4 * n, f"peak {peak / n:.1f}x the tensor"
+
+
+def test_block_over_max_block_bytes_is_refused_before_fetching(tmp_path):
+    store, sub, u0, _ = sparse_store(tmp_path, 1 << 20, 2, SubscriberConfig(max_block_bytes=1 << 20))
+    fetched = []
+    real = store.get_range
+    store.get_range = lambda k, s, n: (fetched.append(k), real(k, s, n))[1]
+    with pytest.raises(ResourceLimitError, match="max_block_bytes"):
+        sub.sync()
+    assert not [k for k in fetched if k.endswith(".xc")]
+    assert sub.version == 1 and bool((sub.state_dict()["u"] == u0).all())
