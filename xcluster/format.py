@@ -219,6 +219,15 @@ def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...
 
 
 @dataclass(frozen=True, slots=True)
+class ManifestLink:
+    """``prev_manifest``: the previous committed version's manifest object and the hash of its
+    bytes (what chain.Link follows)."""
+    version: int
+    manifest: str
+    xxh3_128: str
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     version: int
     kind: str
@@ -237,6 +246,9 @@ class Manifest:
     """Schema 2: the name of the base version's manifest object (null for a keyframe)."""
     files: tuple[FileEntry, ...] = ()
     """Schema 2: the complete set of non-weight files of this version, sorted by name."""
+    prev_manifest: ManifestLink | None = None
+    """Schema 2: the link to version − 1's committed manifest, keyframes included (for a delta it
+    repeats the base link); None for version 1 and in manifests written before the field."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -276,6 +288,9 @@ class Manifest:
         if self.schema_version >= 2:
             obj["base_manifest"] = self.base_manifest
             obj["files"] = [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files]
+            p = self.prev_manifest
+            obj["prev_manifest"] = None if p is None else {"version": p.version, "manifest": p.manifest,
+                                                           "xxh3_128": p.xxh3_128}
         return obj
 
     def to_bytes(self) -> bytes:
@@ -348,6 +363,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
             raise FormatError(f"{where}: keyframe_version must be <= base_version")
     schema = obj["schema_version"]
     base_manifest = None
+    prev: ManifestLink | None = None
     files: list[FileEntry] = []
     if schema >= 2:
         base_manifest = obj.get("base_manifest")
@@ -358,6 +374,10 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                 check_manifest_name(base_manifest)
             except UnsafeNameError as exc:
                 raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
+        prev = _parse_prev(obj.get("prev_manifest"), version, where)
+        if kind == DELTA and prev is not None and prev != ManifestLink(base_version, base_manifest, base_mh):
+            raise FormatError(f"{where}: a delta's prev_manifest must repeat its base link (base_version, "
+                              "base_manifest, base_manifest_xxh3_128)")
         fnames: set[str] = set()
         raw_files = _list(obj, "files", where)
         if len(raw_files) > MAX_FILES:
@@ -423,7 +443,25 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
                     changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
-                    schema_version=schema)
+                    prev_manifest=prev, schema_version=schema)
+
+
+def _parse_prev(p: Any, version: int, where: str) -> ManifestLink | None:
+    """``prev_manifest``: absent or null (version 1, or a writer before the field), else
+    ``{"version": version - 1, "manifest": name, "xxh3_128": hash}``."""
+    if p is None:
+        return None
+    pw = f"{where}: prev_manifest"
+    if not isinstance(p, dict):
+        raise FormatError(f"{pw} must be an object or null")
+    pv = _int(p, "version", pw, lo=1)
+    if pv != version - 1:
+        raise FormatError(f"{pw} names version {pv}; it links version {version - 1}")
+    try:
+        name = check_manifest_name(p.get("manifest"))
+    except UnsafeNameError as exc:
+        raise FormatError(f"{pw}: field 'manifest' is invalid: {exc}") from None
+    return ManifestLink(pv, name, _str(p, "xxh3_128", pw, pattern=_HEX128))
 
 
 def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:

@@ -28,8 +28,8 @@ from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_tensor_name, chunk_key,
-                     manifest_key, manifest_name_for, parse_manifest, xxh3_128)
+from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_tensor_name,
+                     chunk_key, manifest_key, manifest_name_for, parse_manifest, xxh3_128)
 from .retention import RetentionConfig, gc
 from .store import Store, resolve_store
 
@@ -278,7 +278,9 @@ class Publisher:
                 keyframe_version=version if is_key else self._keyframe_version,
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements, files=self._files.entries)
+                changed_elements=encoded.changed_elements, files=self._files.entries,
+                prev_manifest=None if c.head is None else ManifestLink(
+                    c.head.version, c.head.manifest, c.head.manifest_xxh3_128))
             mbytes = manifest.to_bytes()
             parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version, mname)}")  # never commit what no reader takes
             mhash = xxh3_128(mbytes)
