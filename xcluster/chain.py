@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError
+from .errors import (ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError, ResourceLimitError,
+                     XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
                      parse_manifest, xxh3_128)
 from .store import Store
@@ -136,6 +137,53 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
         cur = Link.base_of(lm.manifest)
     chain.reverse()
     return chain
+
+
+def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
+               check: Callable[[LinkedManifest], None] | None = None, max_chain: int = MAX_CHAIN,
+               max_bytes: int | None = None, refused: dict[tuple[int, str], XclusterError] | None = None,
+               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> list[Link]:
+    """Like :func:`walk_back`, but returns only the links, oldest first, holding one parsed
+    manifest at a time (the caller reads each again, hash-checked, when it uses it).
+
+    ``check`` runs on every manifest (a reader's own limits). ``max_bytes`` bounds the manifest
+    bytes read (:class:`ResourceLimitError` beyond). ``refused`` remembers, by (version, manifest
+    hash), what was refused for what the bytes say (format, limits, budget): meeting such a link
+    again raises the same error without reading anything. A budget overflow is remembered under
+    ``link``: a walk from a newer version that reaches it would read a superset."""
+    links: list[Link] = []
+    cur = link
+    total = 0
+    while True:
+        if refused is not None and (known := refused.get((cur.version, cur.xxh3_128))) is not None:
+            raise type(known)(str(known))
+        if len(links) >= max_chain:
+            raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
+                                   f"{link.version} and a keyframe (max_chain)")
+        try:
+            lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+            total += len(lm.data)
+            if max_bytes is not None and total > max_bytes:
+                err = ResourceLimitError(
+                    f"{store.url}: the manifests from version {link.version} back to version {cur.version} add up to "
+                    f"{total} bytes, more than max_plan_bytes ({max_bytes}); the next keyframe repairs this, or "
+                    "raise max_plan_bytes")
+                if refused is not None:
+                    refused[(link.version, link.xxh3_128)] = err
+                raise err
+            if check is not None:
+                check(lm)
+        except (FormatError, ResourceLimitError) as exc:  # what these bytes say: the same next time
+            if refused is not None:
+                refused.setdefault((cur.version, cur.xxh3_128), exc)
+            raise
+        links.append(cur)
+        if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
+            break
+        cur = Link.base_of(lm.manifest)
+        del lm  # one parsed manifest at a time
+    links.reverse()
+    return links
 
 
 def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CHAIN,

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .chain import Link, LinkedManifest, find_link, poll_head, walk_back
+from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, walk_links
 from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
-from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
+from .errors import (XclusterError, BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
                      DigestMismatchError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
                      RollbackError, TruncatedObjectError)
 from .fsutil import write_atomic
@@ -56,6 +56,11 @@ class SubscriberConfig:
     """Refuse, before fetching anything, a version with a block whose decoding would hold more
     than this (``codec.decode.block_memory``, from the manifest's sizes). A block written with
     ``CodecConfig.block_bytes`` B needs about 2-4 B; B is at most 1 GiB."""
+    max_plan_bytes: int = 256 << 20
+    """Refuse a sync whose chain of manifests (from the target back to what is held, or to the
+    keyframe) adds up to more than this many bytes, once read that far: it bounds the work of
+    planning. Publishers' ``keyframe_chain_fraction`` keeps legitimate chains far below it. A
+    refused chain is remembered: later syncs raise the same error without reading it again."""
     max_chain: int = MAX_CHAIN
     """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
     shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
@@ -68,8 +73,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
             raise ConfigError("fetch_workers and decode_workers must be >= 1")
-        if min(self.max_model_bytes, self.max_block_bytes, self.max_tensor_bytes or 1) < 1:
-            raise ConfigError("max_model_bytes, max_tensor_bytes and max_block_bytes must be >= 1 byte")
+        if min(self.max_model_bytes, self.max_block_bytes, self.max_tensor_bytes or 1, self.max_plan_bytes) < 1:
+            raise ConfigError("max_model_bytes, max_tensor_bytes, max_block_bytes and max_plan_bytes must be >= 1 byte")
         if self.integrity_retries < 0:
             raise ConfigError("integrity_retries must be >= 0")
         if not 1 <= self.max_chain <= MAX_CHAIN:
@@ -145,6 +150,9 @@ class Subscriber:
         self._held: _Held | None = None
         self._head_etag: str | None = None
         self._head: Head | None = None
+        # links refused for what their manifest bytes say, while what is held stays the same
+        self._refused: dict[tuple[int, str], XclusterError] = {}
+        self._refused_for: tuple[int, str] | None = None
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -255,10 +263,18 @@ class Subscriber:
                 self.stats.refetches += 1
                 self.stats.checksum_failures += 1
 
-            plan = walk_back(self.store, target, stop=reaches_held, max_chain=self.config.max_chain,
-                             retries=self.config.integrity_retries, on_retry=count_retry)
-            for lm in plan:
-                self._apply(lm, head)
+            held_key = None if held is None else (held.version, held.xxh3_128)
+            if self._refused_for != held_key or len(self._refused) > 1024:
+                self._refused.clear()
+                self._refused_for = held_key
+            cfg = self.config
+            plan = walk_links(self.store, target, stop=reaches_held,
+                              check=lambda lm: self._check_limits(lm.manifest, f"{self.store.url}/{lm.link.key}"),
+                              max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
+                              retries=cfg.integrity_retries, on_retry=count_retry)
+            for link in plan:  # read again, hash-checked: only one parsed manifest is held at a time
+                self._apply(read_manifest(self.store, link, retries=cfg.integrity_retries, on_retry=count_retry),
+                            head)
             return self.version
 
     # --- fetching (no lock held: readers of the current weights are never kept waiting) ------
