@@ -26,9 +26,9 @@ from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, wa
 from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
-from .errors import (XclusterError, BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
-                     DigestMismatchError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
-                     RollbackError, TruncatedObjectError)
+from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
+                     DigestMismatchError, IntegrityError, ObjectNotFoundError, ResourceLimitError, RollbackError,
+                     TruncatedObjectError, XclusterError)
 from .fsutil import write_atomic
 from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, chunk_key, parse_manifest,
                      xxh3_128)
