@@ -9,17 +9,16 @@ successor's ``base_manifest_xxh3_128``) before it is parsed, its version checked
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError
+from .errors import (ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError, ResourceLimitError,
+                     XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
-                     parse_manifest, version_dir, xxh3_128)
+                     parse_manifest, xxh3_128)
 from .store import Store
 
 log = logging.getLogger(__name__)
-_MANIFEST_KEY = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +36,15 @@ class Link:
     @classmethod
     def of_head(cls, head: Head) -> Link:
         return cls(head.version, head.manifest, head.manifest_xxh3_128)
+
+    @classmethod
+    def prev_of(cls, m: Manifest) -> Link | None:
+        """The link to version − 1's committed manifest: ``prev_manifest`` (keyframes too), else
+        a delta's base link; None for version 1 and for a keyframe written without the field."""
+        if m.prev_manifest is not None:
+            p = m.prev_manifest
+            return cls(p.version, p.manifest, p.xxh3_128)
+        return cls.base_of(m) if m.kind != KEYFRAME else None
 
     @classmethod
     def base_of(cls, m: Manifest) -> Link:
@@ -131,30 +139,77 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
     return chain
 
 
+def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
+               check: Callable[[LinkedManifest], None] | None = None, max_chain: int = MAX_CHAIN,
+               max_bytes: int | None = None, refused: dict[tuple[int, str], XclusterError] | None = None,
+               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> list[Link]:
+    """Like :func:`walk_back`, but returns only the links, oldest first, holding one parsed
+    manifest at a time (the caller reads each again, hash-checked, when it uses it).
+
+    ``check`` runs on every manifest (a reader's own limits). ``max_bytes`` bounds the manifest
+    bytes read (:class:`ResourceLimitError` beyond). ``refused`` remembers, by (version, manifest
+    hash), what was refused for what the bytes say (format, limits, budget): meeting such a link
+    again raises the same error without reading anything. A budget overflow is remembered under
+    ``link``: a walk from a newer version that reaches it would read a superset."""
+    links: list[Link] = []
+    cur = link
+    total = 0
+    while True:
+        if refused is not None and (known := refused.get((cur.version, cur.xxh3_128))) is not None:
+            raise type(known)(str(known))
+        if len(links) >= max_chain:
+            raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
+                                   f"{link.version} and a keyframe (max_chain)")
+        try:
+            lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+            total += len(lm.data)
+            if max_bytes is not None and total > max_bytes:
+                err = ResourceLimitError(
+                    f"{store.url}: the manifests from version {link.version} back to version {cur.version} add up to "
+                    f"{total} bytes, more than max_plan_bytes ({max_bytes}); the next keyframe repairs this, or "
+                    "raise max_plan_bytes")
+                if refused is not None:
+                    refused[(link.version, link.xxh3_128)] = err
+                raise err
+            if check is not None:
+                check(lm)
+        except (FormatError, ResourceLimitError) as exc:  # what these bytes say: the same next time
+            if refused is not None:
+                refused.setdefault((cur.version, cur.xxh3_128), exc)
+            raise
+        links.append(cur)
+        if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
+            break
+        cur = Link.base_of(lm.manifest)
+        del lm  # one parsed manifest at a time
+    links.reverse()
+    return links
+
+
 def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CHAIN,
               retries: int = 2) -> Link:
-    """The link to an older committed ``version``, followed back from HEAD through the
-    ``base_manifest`` links. A version behind HEAD's keyframe is not linked from HEAD: its
-    manifest is taken as stored if ``versions/<V>/`` holds exactly one (it is still checked
-    against its own successors when replayed). Otherwise :class:`ChainBrokenError`."""
+    """The link to an older committed ``version``, followed back from HEAD through each
+    manifest's link to its predecessor (``prev_manifest``, across keyframes, or a delta's base
+    link), so every version returned is authenticated by HEAD. Reads at most ``max_chain``
+    manifests. A version behind a keyframe written without ``prev_manifest`` (older stores)
+    cannot be authenticated: :class:`ChainBrokenError`, never a manifest taken as stored."""
     if version > head.version:
         raise ChainBrokenError(f"{store.url}: version {version} is above HEAD ({head.version})")
+    if version < 1:
+        raise ChainBrokenError(f"{store.url}: there is no version {version}")
     cur = Link.of_head(head)
     for _ in range(max_chain):
         if cur.version == version:
             return cur
         lm = read_manifest(store, cur, retries=retries)
-        if lm.manifest.kind == KEYFRAME:
-            break
-        cur = Link.base_of(lm.manifest)
-    names = [k.rsplit("/", 1)[1] for k in store.list(version_dir(version) + "/")
-             if _MANIFEST_KEY.fullmatch(k.rsplit("/", 1)[1])]
-    if len(names) != 1:
-        raise ChainBrokenError(f"{store.url}: version {version} is behind HEAD's keyframe and has {len(names)} "
-                               "manifests; no link from HEAD says which one was committed")
-    key = manifest_key(version, names[0])
-    try:
-        data = store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
-    except ObjectNotFoundError:
-        raise ChainBrokenError(f"{store.url}/{key} does not exist") from None
-    return Link(version, names[0], xxh3_128(data))
+        prev = Link.prev_of(lm.manifest)
+        if prev is None:
+            raise ChainBrokenError(
+                f"{store.url}: version {version} cannot be authenticated: keyframe {lm.version} on HEAD's chain was "
+                "written without prev_manifest (an older xcluster), so no hash link from HEAD reaches versions "
+                "before it")
+        cur = prev
+    if cur.version == version:
+        return cur
+    raise ChainBrokenError(f"{store.url}: version {version} is more than max_chain ({max_chain}) manifests behind "
+                           f"HEAD ({head.version}); raise max_chain or verify a newer version")

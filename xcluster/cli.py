@@ -22,7 +22,7 @@ def _human(n: float) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from .chain import Link, read_head, read_manifest
     from .errors import ChainBrokenError
-    from .format import KEYFRAME, manifest_key, parse_manifest
+    from .format import manifest_key, parse_manifest
     from .store import open_store
 
     store = open_store(args.url)
@@ -34,17 +34,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not found:
         print(f"{args.url}: no versions")
         return 0
-    # the committed manifests: HEAD's chain, followed by its links back to the keyframe
+    # the committed manifests: followed back from HEAD by their hash links (prev_manifest crosses
+    # keyframes; a store written before it is linked back to HEAD's keyframe only)
     linked: dict[int, str] = {}
     if head is not None:
-        link = Link.of_head(head)
+        link: Link | None = Link.of_head(head)
         try:
-            while True:
+            while link is not None and link.version in found:
                 linked[link.version] = link.manifest
-                lm = read_manifest(store, link)
-                if lm.manifest.kind == KEYFRAME:
-                    break
-                link = Link.base_of(lm.manifest)
+                link = Link.prev_of(read_manifest(store, link).manifest)
         except (ChainBrokenError, XclusterError) as exc:
             print(f"warning: HEAD's chain is broken at version {link.version}: {exc}", file=sys.stderr)
     hdr = f"{'version':>8} {'kind':<9} {'base':>6} {'step':>6} {'chunks':>6} {'bytes':>11} {'ratio':>8} " \
@@ -67,8 +65,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 state = "HEAD"
             elif linked.get(v) == name:
                 state = "committed"
-            elif head is not None and v < head.keyframe_version and len(found[v]) == 1:
-                state = "committed (before HEAD's keyframe)"
+            elif head is not None and v < min(linked, default=head.version) and len(found[v]) == 1:
+                state = "not linked from HEAD (written before prev_manifest, or its successor was removed)"
             else:
                 state = "uncommitted (left by a failed attempt: xcluster gc removes it)"
             print(f"{v:>8} {m.kind:<9} {m.base_version or '-':>6} {m.step if m.step is not None else '-':>6} "
@@ -256,8 +254,11 @@ def cmd_relay(args: argparse.Namespace) -> int:
         poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once, workers=args.workers,
         node_id=args.node_id or default_relay_id(), lease_every_s=args.lease_interval,
         trusted_keys=tuple(args.trust), gc=retention))
-    relay.install_signal_handlers()
-    code = relay.run()
+    restore = relay.install_signal_handlers()
+    try:
+        code = relay.run()
+    finally:
+        restore()
     s = relay.stats
     print(f"relay stopped at version {relay.version}: {s.versions_copied} version(s), {s.objects_copied} object(s) "
           f"copied ({_human(s.bytes_from_source)} read from the source), {s.objects_present} already present",

@@ -81,6 +81,11 @@ class DecompressionBombError(DecodeError):
     """A stream declares or produces more bytes than its tensor can hold."""
 
 
+class ResourceLimitError(XclusterError):
+    """Applying a version would need more memory than this reader's limits allow (or than the
+    machine could allocate): refused before allocating, the held weights stay."""
+
+
 # --- protocol --------------------------------------------------------------------------------
 class BaseMismatchError(XclusterError):
     """A delta's base version is not the subscriber's current version."""

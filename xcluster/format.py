@@ -279,6 +279,15 @@ def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...
 
 
 @dataclass(frozen=True, slots=True)
+class ManifestLink:
+    """``prev_manifest``: the previous committed version's manifest object and the hash of its
+    bytes (what chain.Link follows)."""
+    version: int
+    manifest: str
+    xxh3_128: str
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     version: int
     kind: str
@@ -297,6 +306,9 @@ class Manifest:
     """Schema 2: the name of the base version's manifest object (null for a keyframe)."""
     files: tuple[FileEntry, ...] = ()
     """Schema 2: the complete set of non-weight files of this version, sorted by name."""
+    prev_manifest: ManifestLink | None = None
+    """Schema 2: the link to version − 1's committed manifest, keyframes included (for a delta it
+    repeats the base link); None for version 1 and in manifests written before the field."""
     schema_version: int = SCHEMA_VERSION
     run_id: str | None = None
     """Optional (schema 2): the training run this version belongs to; a signature covers it."""
@@ -342,6 +354,9 @@ class Manifest:
         if self.schema_version >= 2:
             obj["base_manifest"] = self.base_manifest
             obj["files"] = [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files]
+            p = self.prev_manifest
+            obj["prev_manifest"] = None if p is None else {"version": p.version, "manifest": p.manifest,
+                                                           "xxh3_128": p.xxh3_128}
             if self.run_id is not None:
                 obj["run_id"] = self.run_id
             if self.signature is not None:
@@ -422,6 +437,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
             raise FormatError(f"{where}: keyframe_version must be <= base_version")
     schema = obj["schema_version"]
     base_manifest = None
+    prev: ManifestLink | None = None
     files: list[FileEntry] = []
     run_id, (signature, payload) = None, (None, None)
     if schema >= 2:
@@ -434,6 +450,10 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                 check_manifest_name(base_manifest)
             except UnsafeNameError as exc:
                 raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
+        prev = _parse_prev(obj.get("prev_manifest"), version, where)
+        if kind == DELTA and prev is not None and prev != ManifestLink(base_version, base_manifest, base_mh):
+            raise FormatError(f"{where}: a delta's prev_manifest must repeat its base link (base_version, "
+                              "base_manifest, base_manifest_xxh3_128)")
         fnames: set[str] = set()
         raw_files = _list(obj, "files", where)
         if len(raw_files) > MAX_FILES:
@@ -465,8 +485,11 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                 or any(type(s) is not int or s < 0 or s > MAX_VERSION for s in shape)):
             raise FormatError(f"{tw} ({name}): shape {shape!r} is not a list of at most {MAX_DIMS} "
                               "non-negative integers")
-        if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-            raise FormatError(f"{tw} ({name}): {math.prod(shape)} elements is over the limit")
+        # torch computes strides and storage size with every dim counted as at least 1, even
+        # when another dim is 0: bounding that product bounds numel and keeps them in int64
+        if math.prod(max(s, 1) for s in shape) > MAX_TENSOR_ELEMENTS:
+            raise FormatError(f"{tw} ({name}): shape {shape} is over the limit: the product of its dims, "
+                              f"each counted as at least 1, must be at most 2**44")
         init = _str(t, "init", tw, choices=(INIT_BASE, INIT_NONE))
         if kind == KEYFRAME and init != INIT_NONE:
             raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")
@@ -496,7 +519,26 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
                     changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
-                    schema_version=schema, run_id=run_id, signature=signature, signed_payload=payload)
+                    prev_manifest=prev, schema_version=schema, run_id=run_id, signature=signature,
+                    signed_payload=payload)
+
+
+def _parse_prev(p: Any, version: int, where: str) -> ManifestLink | None:
+    """``prev_manifest``: absent or null (version 1, or a writer before the field), else
+    ``{"version": version - 1, "manifest": name, "xxh3_128": hash}``."""
+    if p is None:
+        return None
+    pw = f"{where}: prev_manifest"
+    if not isinstance(p, dict):
+        raise FormatError(f"{pw} must be an object or null")
+    pv = _int(p, "version", pw, lo=1)
+    if pv != version - 1:
+        raise FormatError(f"{pw} names version {pv}; it links version {version - 1}")
+    try:
+        name = check_manifest_name(p.get("manifest"))
+    except UnsafeNameError as exc:
+        raise FormatError(f"{pw}: field 'manifest' is invalid: {exc}") from None
+    return ManifestLink(pv, name, _str(p, "xxh3_128", pw, pattern=_HEX128))
 
 
 def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
@@ -532,8 +574,11 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
         if encoding == SPARSE_SUB:
-            if not 0 < nnz <= count:
-                raise FormatError(f"{bw}: segment of {te.name} has nnz {nnz} outside (0, {count}]")
+            # sparse past half the elements is never smaller than dense-sub (writers switch at
+            # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
+            if not 0 < 2 * nnz <= count:
+                raise FormatError(f"{bw}: sparse-sub segment of {te.name} has nnz {nnz} outside (0, {count // 2}] "
+                                  f"(half its count {count}): such ranges are carried as dense-sub")
         elif nnz != count:
             raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
         if (encoding == PLANES) != (te.init == INIT_NONE):

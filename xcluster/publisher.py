@@ -28,7 +28,7 @@ from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, check_run_id,
+from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
                      check_tensor_name, chunk_key, manifest_key, manifest_name_for, parse_manifest, xxh3_128)
 from .retention import RetentionConfig, gc
 from .signing import load_signer
@@ -309,7 +309,9 @@ class Publisher:
                 keyframe_version=version if is_key else self._keyframe_version,
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
+                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id,
+                prev_manifest=None if c.head is None else ManifestLink(
+                    c.head.version, c.head.manifest, c.head.manifest_xxh3_128))
             if self._signer is not None:
                 manifest = self._signer.sign(manifest)
             mbytes = manifest.to_bytes()

@@ -152,13 +152,14 @@ class Relay:
     def stop(self) -> None:
         self._stop.set()
 
-    def install_signal_handlers(self) -> None:
-        """SIGTERM / SIGINT: finish the cycle in progress (a half-copied version stays invisible), exit 0."""
+    def install_signal_handlers(self) -> Callable[[], None]:
+        """SIGTERM / SIGINT: finish the cycle in progress (a half-copied version stays invisible), exit 0.
+        Returns a function that puts the previous handlers back."""
         def handler(signum, _frame) -> None:
             log.info("signal %d: stopping after the current cycle", signum)
             self.stop()
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()] and None
 
     def step(self) -> int | None:
         """One cycle: copy what SRC's HEAD names and DST lacks; returns DST's version after it."""

@@ -66,8 +66,9 @@ class GcReport:
         return sum(b for _, b, _ in self.deleted)
 
 
-def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> int:
-    """Add ``link``'s chain back to its keyframe to ``keep``; returns the keyframe version."""
+def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> tuple[int, Link | None]:
+    """Add ``link``'s chain back to its keyframe to ``keep``; returns the keyframe version and
+    the keyframe's link to the version before it (None if it has none)."""
     while True:
         lm = read_manifest(store, link)
         m = lm.manifest
@@ -75,8 +76,21 @@ def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> int:
         keep.update(chunk_key(m.version, c.name) for c in m.chunks)
         files.update(f.xxh3_128 for f in m.files)
         if m.kind == KEYFRAME:
-            return m.version
+            return m.version, Link.prev_of(m)
         link = Link.base_of(m)
+
+
+def _links_down_to(store: Store, link: Link | None, lowest: int, keep: set[str]) -> None:
+    """Keep the manifests (not their chunks) linking HEAD's keyframe down to ``lowest``: a
+    reader authenticates an older version by following them (FORMAT.md §4)."""
+    while link is not None and link.version > lowest:
+        try:
+            m = read_manifest(store, link).manifest
+        except XclusterError as exc:  # already gone or broken: nothing below can be linked anyway
+            log.warning("the links from HEAD's keyframe stop at version %d: %s", link.version, exc)
+            return
+        keep.add(link.key)
+        link = Link.prev_of(m)
 
 
 def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callable[[], float] = time.time,
@@ -88,7 +102,7 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         return report  # nothing committed: nothing is provably garbage
     keep: set[str] = set()
     files: set[str] = set()
-    head_keyframe = _chain(store, Link.of_head(head), keep, files)
+    head_keyframe, before_keyframe = _chain(store, Link.of_head(head), keep, files)
     keep_dirs: set[int] = set()
     lease_keys = store.list("leases/")
     stale_leases: list[str] = []
@@ -111,6 +125,8 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         first = held + 1 if held is not None and kf <= held < target else kf
         keep_dirs.update(range(first, target + 1))
         report.protected_by_leases[lease.node_id] = (first, target)
+    if keep_dirs:
+        _links_down_to(store, before_keyframe, min(keep_dirs), keep)
     for v in sorted(keep_dirs):
         files.update(_files_named_in(store, v))
     for key in store.list("versions/"):

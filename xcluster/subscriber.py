@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-from .chain import Link, LinkedManifest, find_link, poll_head, walk_back
-from .codec.decode import Fill, Patch, decode_block, fill, patch
+from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, walk_links
+from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
 from .digest import model_digest_from, tensor_digest
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
-                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, RollbackError,
-                     RunMismatchError, StaleHeadError, TruncatedObjectError)
+                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
+                     RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
 from .fsutil import write_atomic
-from .format import INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, check_run_id, chunk_key, parse_manifest, xxh3_128
+from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, check_run_id, chunk_key,
+                     parse_manifest, xxh3_128)
 from .signing import load_verifier
 from .store import Store, resolve_store
 
@@ -48,6 +49,19 @@ class SubscriberConfig:
     before the version is refused with ChecksumMismatchError."""
     max_model_bytes: int = 1 << 40
     """Refuse a manifest whose weights would need more memory than this (checked before allocating)."""
+    max_tensor_bytes: int | None = None
+    """Refuse a manifest with a single tensor larger than this, before fetching anything
+    (None: only ``max_model_bytes`` bounds it). An allocation that fails anyway raises
+    ResourceLimitError."""
+    max_block_bytes: int = 8 << 30
+    """Refuse, before fetching anything, a version with a block whose decoding would hold more
+    than this (``codec.decode.block_memory``, from the manifest's sizes). A block written with
+    ``CodecConfig.block_bytes`` B needs about 2-4 B; B is at most 1 GiB."""
+    max_plan_bytes: int = 256 << 20
+    """Refuse a sync whose chain of manifests (from the target back to what is held, or to the
+    keyframe) adds up to more than this many bytes, once read that far: it bounds the work of
+    planning. Publishers' ``keyframe_chain_fraction`` keeps legitimate chains far below it. A
+    refused chain is remembered: later syncs raise the same error without reading it again."""
     max_chain: int = MAX_CHAIN
     """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
     shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
@@ -72,6 +86,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         if self.fetch_workers < 1 or self.decode_workers < 1:
             raise ConfigError("fetch_workers and decode_workers must be >= 1")
+        if min(self.max_model_bytes, self.max_block_bytes, self.max_tensor_bytes or 1, self.max_plan_bytes) < 1:
+            raise ConfigError("max_model_bytes, max_tensor_bytes, max_block_bytes and max_plan_bytes must be >= 1 byte")
         if self.integrity_retries < 0:
             raise ConfigError("integrity_retries must be >= 0")
         if not 1 <= self.max_chain <= MAX_CHAIN:
@@ -161,6 +177,9 @@ class Subscriber:
         self._head_etag: str | None = None
         self._head: Head | None = None
         self._floor = 0  # never go below this version (what a restarted daemon had applied)
+        # links refused for what their manifest bytes say, while what is held stays the same
+        self._refused: dict[tuple[int, str], XclusterError] = {}
+        self._refused_for: tuple[int, str] | None = None
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -283,11 +302,23 @@ class Subscriber:
                 self.stats.refetches += 1
                 self.stats.checksum_failures += 1
 
-            plan = walk_back(self.store, target, stop=reaches_held, max_chain=self.config.max_chain,
-                             retries=self.config.integrity_retries, on_retry=count_retry)
-            for lm in plan:
-                self._check_trust(lm.manifest, head, where=f"{self.store.url}/{lm.link.key}")
-                self._apply(lm, head)
+            held_key = None if held is None else (held.version, held.xxh3_128)
+            if self._refused_for != held_key or len(self._refused) > 1024:
+                self._refused.clear()
+                self._refused_for = held_key
+            cfg = self.config
+
+            def check(lm: LinkedManifest) -> None:  # before any chunk is fetched
+                where = f"{self.store.url}/{lm.link.key}"
+                self._check_trust(lm.manifest, head, where=where)
+                self._check_limits(lm.manifest, where)
+
+            plan = walk_links(self.store, target, stop=reaches_held, check=check,
+                              max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
+                              retries=cfg.integrity_retries, on_retry=count_retry)
+            for link in plan:  # read again, hash-checked: only one parsed manifest is held at a time
+                self._apply(read_manifest(self.store, link, retries=cfg.integrity_retries, on_retry=count_retry),
+                            head)
             return self.version
 
     # --- trust ----------------------------------------------------------------------------------
@@ -388,9 +419,7 @@ class Subscriber:
         t0 = time.perf_counter()
         m, mhash = lm.manifest, lm.link.xxh3_128
         where = f"{self.store.url}/{lm.link.key}"
-        if m.model_bytes > self.config.max_model_bytes:
-            raise FormatError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
-                              f"({self.config.max_model_bytes})")
+        self._check_limits(m, where)
         chunks = self._fetch_all(m, mhash)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
@@ -406,6 +435,23 @@ class Subscriber:
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
         if self.on_apply is not None:
             self.on_apply(ev)
+
+    def _check_limits(self, m: Manifest, where: str) -> None:
+        """Refuse, before fetching or allocating anything, a version whose weights exceed the
+        configured memory limits."""
+        cfg = self.config
+        if m.model_bytes > cfg.max_model_bytes:
+            raise ResourceLimitError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
+                                     f"({cfg.max_model_bytes})")
+        cap = cfg.max_tensor_bytes
+        big = max(m.tensors, key=lambda t: t.nbytes, default=None)
+        if cap is not None and big is not None and big.nbytes > cap:
+            raise ResourceLimitError(f"{where}: tensor {big.name} ({big.dtype}{list(big.shape)}, {big.nbytes} bytes) "
+                                     f"exceeds max_tensor_bytes ({cap})")
+        for bi, b in enumerate(m.blocks):
+            if (need := block_memory(b)) > cfg.max_block_bytes:
+                raise ResourceLimitError(f"{where}: block {bi} ({b.encoding}) needs {need} bytes to decode, more than "
+                                         f"max_block_bytes ({cfg.max_block_bytes})")
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
         """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or
@@ -427,7 +473,7 @@ class Subscriber:
                                             "subscriber's tensor differs in name, dtype or shape")
                 target.append(cur)
             else:
-                target.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype)))
+                target.append(_alloc(t, where))
         applied: list[tuple[torch.Tensor, Patch]] = []
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
@@ -473,6 +519,16 @@ class Subscriber:
             finally:
                 if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
                     _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
+
+
+def _alloc(t: TensorEntry, where: str) -> torch.Tensor:
+    """A fresh tensor for ``t``; an allocation the machine refuses is a named error."""
+    try:
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise ResourceLimitError(f"{where}: cannot allocate {t.name} ({t.dtype}{list(t.shape)}, {t.nbytes} "
+                                 f"bytes): {str(exc).splitlines()[0][:200]}; lower the model size or raise the "
+                                 "memory available to this process") from exc
 
 
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:

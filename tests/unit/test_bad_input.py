@@ -210,7 +210,7 @@ def test_positions_outside_segment(env):
         for b in o["blocks"]:
             if b["encoding"] == "sparse-sub":
                 seg = b["segments"][0]
-                seg[2] = seg[3]  # count == nnz: the last changed position now lies outside
+                seg[2] = 2 * seg[3]  # the densest legal count: the last changed position now lies outside
                 return
         raise AssertionError("no sparse block")
     rewrite_manifest(store, 2, shrink)
@@ -346,7 +346,7 @@ def test_failing_block_after_applied_blocks_is_fully_undone(tmp_path, workers):
         sparse = [b for b in o["blocks"] if b["encoding"] == "sparse-sub"]
         assert len([b for b in o["blocks"] if b["encoding"] == "dense-sub"]) >= 2 and sparse
         seg = sparse[-1]["segments"][-1]
-        seg[2] = seg[3]  # its last position now lies outside the segment
+        seg[2] = 2 * seg[3]  # its last position now lies outside the segment
     rewrite_manifest(store, 2, break_last_sparse)
     with pytest.raises(DecodeError):
         sub.sync()

@@ -31,7 +31,8 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
     w2.view(torch.int16).reshape(-1)[5::101] -= 1  # and -1 ulp
     v2 = {"w": w2, "scale": v1["scale"], "ids": torch.arange(10, dtype=torch.int64).reshape(2, 5),
           "new": torch.full((3,), 0.5, dtype=torch.float16)}
-    return [v1, v2]
+    v3 = dict(v2, scale=torch.tensor([2.0, 0.0, float("-inf"), 1.0]))
+    return [v1, v2, v3]
 
 
 def write(root: Path) -> None:
@@ -41,7 +42,7 @@ def write(root: Path) -> None:
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
                     files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
-        pub.publish(sd, step=i)
+        pub.publish(sd, step=i, keyframe=True if i == 2 else None)  # v3: a keyframe, linked by prev_manifest
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -65,11 +66,15 @@ def test_golden_objects_decode(tmp_path, golden):
     shutil.copytree(golden, tmp_path / "s")
     trust = (str(GOLDEN_KEY) + ".pub",) if golden == GOLDEN else ()
     sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
-    assert sub.sync(until=1) == 1
+    assert sub.sync(until=1) == 1  # v2 store: reached from HEAD (keyframe 3) through prev_manifest
     assert_state_equal(sub.state_dict(), golden_versions()[0])
-    assert sub.sync() == 2
+    assert sub.sync(until=2) == 2
     assert_state_equal(sub.state_dict(), golden_versions()[1])
     assert sub.model_digest == model_digest(golden_versions()[1])
     assert sub.manifest.kind == "delta"
     # pinned: a different digest here means the digest definition changed
     assert sub.model_digest == (GOLDEN.parent.parent / "model_digest_v2.txt").read_text().strip()
+    if golden == GOLDEN:
+        assert sub.sync() == 3
+        assert sub.manifest.kind == "keyframe" and sub.manifest.prev_manifest.version == 2
+        assert_state_equal(sub.state_dict(), golden_versions()[2])

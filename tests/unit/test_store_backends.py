@@ -39,3 +39,36 @@ def test_local_store_leaves_no_temp_files(tmp_path):
     leftovers = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".xc-tmp")]
     assert leftovers == []
     assert st.list() == ["HEAD", "m"]
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/runs//exp", "s3a://bucket/a///b",
+                                 "s3://bucket/runs/./exp", "s3://bucket/runs/../exp"])
+def test_s3_url_with_empty_or_dot_segment_is_refused(url):
+    """SeaweedFS stores ``runs//exp/HEAD`` as ``runs/exp/HEAD`` while LIST filters on the verbatim
+    prefix: ``xcluster ls`` would show nothing while publish and sync work. Refused up front."""
+    from xcluster.errors import ConfigError
+    from xcluster.store.s3 import S3Store
+
+    with pytest.raises(ConfigError, match="empty or '.'") as ei:
+        S3Store.from_url(url, client=object())
+    assert url in str(ei.value)
+    with pytest.raises(ConfigError):
+        open_store(url)
+
+
+def test_s3_prefix_refused_by_the_constructor_too():
+    from xcluster.errors import ConfigError
+    from xcluster.store.s3 import S3Store
+
+    with pytest.raises(ConfigError, match="runs//exp"):
+        S3Store("bucket", "runs//exp", client=object())
+    ok = S3Store.from_url("s3://bucket//runs/exp/", client=object())  # outer slashes are only trimmed
+    assert ok.url == "s3://bucket/runs/exp"
+
+
+def test_fsspec_url_with_empty_segment_is_refused():
+    from xcluster.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="memory://xc-a//b"):
+        open_store("memory://xc-a//b")
+    assert isinstance(open_store("memory://xc-a/b/"), FsspecStore)

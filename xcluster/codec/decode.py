@@ -3,6 +3,12 @@
 Decoding validates everything (stream sizes, positions in range) before any tensor is touched;
 applying a delta is ``bits[pos] += diff`` on unsigned views, so it is undone exactly by
 ``bits[pos] -= diff`` if a later check fails.
+
+Memory: a block's byte planes are joined into one array as each is decompressed (one plane
+in flight), sparse positions stay as their uint32 gaps and are expanded to int64 only
+``PIECE`` at a time while patching, so decoding a block needs about :func:`block_memory` bytes,
+a small multiple of the tensor bytes it covers (``FORMAT.md`` bounds a sparse segment's nnz to
+half its count).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
 from ..format import DENSE_SUB, GAP_WIDTH, PLANES, SPARSE_SUB, BlockEntry, TensorEntry
 from . import streams
-from .changes import join_planes, unzigzag
+from .changes import unzigzag
+
+PIECE = 1 << 18
+"""Changed elements expanded to int64 positions (and unzigzagged) at a time."""
 
 
 @dataclass(slots=True)
@@ -31,50 +40,84 @@ class Fill:
 
 @dataclass(slots=True)
 class Patch:
-    """Add ``diff`` (wrapping) to the raw bits at ``positions`` (absolute), or, when
-    ``positions`` is None, to the dense range starting at ``start``."""
+    """Add ``diff`` (wrapping) to the raw bits of elements from ``start`` on: the dense range
+    ``[start, start + diff.size)`` when ``gaps`` is None, else the positions the gaps give
+    (``p_0 = start + gaps[0]``, ``p_k = p_(k-1) + gaps[k] + 1``)."""
 
     tensor: int
     start: int
-    positions: np.ndarray | None
+    gaps: np.ndarray | None
     diff: np.ndarray
+
+
+def block_memory(block: BlockEntry) -> int:
+    """Bytes decoding ``block`` holds at its peak (from the manifest's checked sizes alone)."""
+    raw = [s.raw for s in block.streams]
+    if block.encoding == PLANES:
+        return sum(raw)  # the planes themselves, applied as views
+    n = raw[-1]  # elements carried: count (dense) or nnz (sparse)
+    held = n * block.width + (n * GAP_WIDTH if block.encoding == SPARSE_SUB else 0)
+    return held + max(raw) + 16 * min(n, PIECE)  # + one plane in flight + a piece's positions
 
 
 def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence[TensorEntry],
                  *, where: str) -> list[Fill | Patch]:
     """Decode one block from its chunk's bytes (checksum already verified)."""
     mv = memoryview(chunk)
-    decoded: list[np.ndarray] = []
-    off = block.offset
-    for i, s in enumerate(block.streams):
-        decoded.append(streams.decompress(s.codec, mv[off:off + s.stored], s.raw, where=f"{where} stream {i}"))
-        off += s.stored
+    offsets = [block.offset]
+    for s in block.streams:
+        offsets.append(offsets[-1] + s.stored)
+
+    def stream(i: int) -> np.ndarray:
+        s = block.streams[i]
+        return streams.decompress(s.codec, mv[offsets[i]:offsets[i + 1]], s.raw, where=f"{where} stream {i}")
+
+    def joined(first: int, width: int, dtype) -> np.ndarray:
+        """Streams ``first … first+width-1`` as byte planes of one new array of ``dtype``."""
+        n = block.streams[first].raw
+        out = np.empty(n, dtype=dtype)
+        lanes = out.view(np.uint8).reshape(n, width)
+        for i in range(width):
+            lanes[:, i] = stream(first + i)  # one decompressed plane alive at a time
+        return out
+
     w = block.width
     udt = UINT[w]
     ops: list[Fill | Patch] = []
     cursor = 0
+    if block.encoding == PLANES:
+        planes = [stream(i) for i in range(w)]
+        for seg in block.segments:
+            ops.append(Fill(seg.tensor, seg.start, [p[cursor:cursor + seg.count] for p in planes]))
+            cursor += seg.count
+        return ops
+    if block.encoding == DENSE_SUB:
+        diff = _unzigzag_inplace(joined(0, w, udt))
+        for seg in block.segments:
+            ops.append(Patch(seg.tensor, seg.start, None, diff[cursor:cursor + seg.count]))
+            cursor += seg.count
+        return ops
+    if block.encoding != SPARSE_SUB:  # pragma: no cover - format validation rejects it
+        raise DecodeError(f"{where}: unknown encoding {block.encoding!r}")
+    gaps = joined(0, GAP_WIDTH, np.uint32)
+    for seg in block.segments:  # every position inside its segment, before any is applied
+        last = int(gaps[cursor:cursor + seg.nnz].sum(dtype=np.uint64)) + seg.nnz - 1
+        if last >= seg.count:
+            raise DecodeError(f"{where}: changed position {seg.start + last} of {tensors[seg.tensor].name} lies "
+                              f"outside its segment [{seg.start}, {seg.start + seg.count})")
+        cursor += seg.nnz
+    diff = _unzigzag_inplace(joined(GAP_WIDTH, w, udt))
+    cursor = 0
     for seg in block.segments:
-        name = tensors[seg.tensor].name
-        if block.encoding == PLANES:
-            ops.append(Fill(seg.tensor, seg.start, [p[cursor:cursor + seg.count] for p in decoded]))
-            cursor += seg.count
-        elif block.encoding == DENSE_SUB:
-            z = join_planes([p[cursor:cursor + seg.count] for p in decoded], udt)
-            ops.append(Patch(seg.tensor, seg.start, None, unzigzag(z)))
-            cursor += seg.count
-        elif block.encoding == SPARSE_SUB:
-            n = seg.nnz
-            gaps = join_planes([p[cursor:cursor + n] for p in decoded[:GAP_WIDTH]], np.uint32)
-            pos = np.cumsum(gaps.astype(np.int64) + 1) - 1 + seg.start
-            if pos[-1] >= seg.start + seg.count:
-                raise DecodeError(f"{where}: changed position {int(pos[-1])} of {name} lies outside its "
-                                  f"segment [{seg.start}, {seg.start + seg.count})")
-            z = join_planes([p[cursor:cursor + n] for p in decoded[GAP_WIDTH:]], udt)
-            ops.append(Patch(seg.tensor, seg.start, pos, unzigzag(z)))
-            cursor += n
-        else:  # pragma: no cover - format validation rejects it
-            raise DecodeError(f"{where}: unknown encoding {block.encoding!r}")
+        ops.append(Patch(seg.tensor, seg.start, gaps[cursor:cursor + seg.nnz], diff[cursor:cursor + seg.nnz]))
+        cursor += seg.nnz
     return ops
+
+
+def _unzigzag_inplace(z: np.ndarray) -> np.ndarray:
+    for s in range(0, z.size, PIECE):
+        z[s:s + PIECE] = unzigzag(z[s:s + PIECE])
+    return z
 
 
 def fill(target: torch.Tensor, op: Fill) -> None:
@@ -87,11 +130,19 @@ def fill(target: torch.Tensor, op: Fill) -> None:
 
 def patch(target: torch.Tensor, op: Patch, *, undo: bool = False) -> None:
     bits = np_bits(target)
-    if op.positions is None:
+    if op.gaps is None:
         view = bits[op.start:op.start + op.diff.size]
         if undo:
             view -= op.diff
         else:
             view += op.diff
-    else:
-        bits[op.positions] = bits[op.positions] - op.diff if undo else bits[op.positions] + op.diff
+        return
+    last = op.start - 1  # the position before this piece's first
+    for s in range(0, op.gaps.size, PIECE):
+        # p_k = p_(k-1) + gap_k + 1; decode_block checked sum(gaps) + nnz <= count <= 2**31,
+        # so gap + 1 fits in uint32
+        pos = np.cumsum(op.gaps[s:s + PIECE] + np.uint32(1), dtype=np.int64)
+        pos += last
+        last = int(pos[-1])
+        d = op.diff[s:s + PIECE]
+        bits[pos] = bits[pos] - d if undo else bits[pos] + d

@@ -33,7 +33,8 @@ class CodecConfig:
     chunk_bytes: int = 64 << 20
     """Target size of a chunk object; a chunk holds whole blocks and is sealed once it reaches this."""
     dense_threshold: float = 0.25
-    """A range whose fraction of changed elements reaches this is carried densely, not as positions."""
+    """A range whose fraction of changed elements reaches this is carried densely, not as
+    positions. At most 1/2: readers refuse sparse ranges with more changed elements than that."""
     workers: int = 2
     """Threads compressing blocks (zstd releases the GIL)."""
 
@@ -49,8 +50,9 @@ class CodecConfig:
         if self.chunk_bytes < self.block_bytes:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) must be >= block_bytes ({self.block_bytes}): "
                               "a chunk holds whole blocks")
-        if not 0.0 < self.dense_threshold <= 1.0:
-            raise ConfigError(f"dense_threshold must be in (0, 1], got {self.dense_threshold}")
+        if not 0.0 < self.dense_threshold <= 0.5:
+            raise ConfigError(f"dense_threshold must be in (0, 0.5] (readers refuse a sparse range with more "
+                              f"than half its elements changed), got {self.dense_threshold}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
 

@@ -50,5 +50,7 @@ def open_store(url: str | Any, *, s3: "S3Config | None" = None) -> Store:
         from .fsspec_store import FsspecStore
 
         return FsspecStore(url)
+    except ConfigError:
+        raise
     except (ImportError, ValueError) as exc:
         raise UnsupportedURLError(f"{url}: no store backend for scheme {scheme!r} ({exc})") from exc

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import xxhash
 
-from ..errors import UnsafeKeyError
+from ..errors import ConfigError, UnsafeKeyError
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 MAX_KEY_LEN = 1024
@@ -31,6 +31,21 @@ def check_key(key: str) -> str:
                 "'/'-separated segments of [A-Za-z0-9._-] that do not start with '.' or '-'"
             )
     return key
+
+
+def check_prefix(prefix: str, url: str) -> str:
+    """``prefix`` with its outer ``/`` trimmed; refuses an empty, ``.`` or ``..`` segment inside it
+    (``runs//exp``): some servers (SeaweedFS) store keys under the collapsed path while LIST filters
+    on the verbatim prefix, so such a store would publish and sync but list as empty."""
+    trimmed = prefix.strip("/")
+    segs = trimmed.split("/")
+    if trimmed and any(seg in ("", ".", "..") for seg in segs):
+        fixed = "/".join(s for s in segs if s not in ("", ".", ".."))
+        raise ConfigError(
+            f"{url}: the prefix {prefix!r} has an empty or '.'/'..' path segment, which object stores "
+            f"collapse inconsistently (keys written under one path, listed under another); write it "
+            f"without them (did you mean {fixed!r}?)")
+    return trimmed
 
 
 @dataclass(frozen=True, slots=True)

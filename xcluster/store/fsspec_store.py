@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import fsspec
 
 from ..errors import ObjectNotFoundError, PreconditionFailedError
-from .base import Blob, Stat, blob_unless_match, check_key, content_etag
+from .base import Blob, Stat, blob_unless_match, check_key, check_prefix, content_etag
 
 _LOCK = threading.Lock()
 
@@ -23,6 +23,9 @@ _LOCK = threading.Lock()
 class FsspecStore:
     def __init__(self, url: str, **storage_options) -> None:
         self.url = url.rstrip("/")
+        scheme, sep, path = self.url.partition("://")
+        if sep:
+            check_prefix(path, url)  # a//b: some filesystems collapse it, listing would not
         self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         self.root = root.rstrip("/")
 

@@ -60,7 +60,9 @@ class LocalStore:
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(start)
-                return f.read(length)
+                # read(n) allocates n bytes up front: clamp to what the file holds, so a bounded
+                # read (manifest: 64 MiB + 1) costs the object's size, not the bound
+                return f.read(max(0, min(length, os.fstat(f.fileno()).st_size - start)))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.url}/{key} does not exist (or is not a file)") from None
         except OSError as exc:

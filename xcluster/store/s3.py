@@ -40,7 +40,7 @@ from ..errors import (ConditionalWritesUnsupportedError, CorruptReadError, Objec
                       ObjectTooLargeError, PreconditionFailedError, RetriesExhaustedError,
                       ShortReadError, StoreError, XclusterError)
 from ..retry import call_with_retries, retrying
-from .base import Blob, Stat, check_key
+from .base import Blob, Stat, check_key, check_prefix
 from .s3config import S3_MAX_PARTS, S3Config
 
 __all__ = ["S3Config", "S3Store", "S3Stats"]
@@ -155,7 +155,7 @@ class S3Store:
             raise StoreError(f"bad bucket name {bucket!r}")
         self.config = config or S3Config()
         self.bucket = bucket
-        prefix = prefix.strip("/")
+        prefix = check_prefix(prefix, f"s3://{bucket}/{prefix}")
         self._prefix = f"{prefix}/" if prefix else ""
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._sleep = sleep
@@ -175,6 +175,7 @@ class S3Store:
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise StoreError(f"{url!r} names no bucket: use s3://bucket/prefix")
+        check_prefix(prefix, url)  # names the URL as the user wrote it
         return cls(bucket, prefix, config=config, **kwargs)
 
     def _make_client(self) -> Any:
