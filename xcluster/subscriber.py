@@ -401,12 +401,26 @@ class Subscriber:
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
     """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
     call has finished or was cancelled before starting, even if this thread is interrupted
-    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then."""
+    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then.
+    After a first error no further call starts (a version of many broken blocks costs one)."""
     futures: list[Future] = []
     interrupt: BaseException | None = None
+    failed = threading.Event()
+
+    def call(i: int) -> object:
+        if failed.is_set():
+            return None
+        try:
+            return fn(i)
+        except BaseException:
+            failed.set()
+            raise
+
     try:
         for i in range(n):
-            futures.append(pool.submit(fn, i))
+            if failed.is_set():
+                break
+            futures.append(pool.submit(call, i))
     except BaseException as exc:  # noqa: BLE001 - interrupted while submitting: stop submitting, wait below
         interrupt = exc
     while True:
