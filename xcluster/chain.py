@@ -115,7 +115,8 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
               on_retry: Callable[[str], None] | None = None) -> list[LinkedManifest]:
     """Manifests from ``link`` back to the newest keyframe at or below it, or to the first one
     for which ``stop`` is true (that one included), **oldest first**. Refuses a chain longer
-    than ``max_chain`` before reading past it."""
+    than ``max_chain`` before reading past it, and one whose deltas disagree with their bases on
+    ``keyframe_version`` (:class:`ChainBrokenError`)."""
     chain: list[LinkedManifest] = []
     cur = link
     while True:
@@ -123,6 +124,10 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
             raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
                                    f"{link.version} and a keyframe (max_chain)")
         lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+        if chain and lm.manifest.keyframe_version != chain[-1].manifest.keyframe_version:
+            raise ChainBrokenError(
+                f"{store.url}/{chain[-1].link.key}: keyframe_version {chain[-1].manifest.keyframe_version} differs "
+                f"from its base's ({lm.link.key}: {lm.manifest.keyframe_version}): one of them lies")
         chain.append(lm)
         if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
             break

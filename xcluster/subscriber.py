@@ -246,6 +246,17 @@ class Subscriber:
 
             plan = walk_back(self.store, target, stop=reaches_held, max_chain=self.config.max_chain,
                              retries=self.config.integrity_retries, on_retry=count_retry)
+            newest, oldest = plan[-1].manifest, plan[0].manifest
+            if newest.version == head.version and (newest.kind, newest.keyframe_version) != \
+                    (head.kind, head.keyframe_version):
+                raise ChainBrokenError(
+                    f"{self.store.url}: HEAD says version {head.version} is a {head.kind} of keyframe_version "
+                    f"{head.keyframe_version}, its manifest says {newest.kind} of {newest.keyframe_version}")
+            if held is not None and oldest.kind != KEYFRAME \
+                    and oldest.keyframe_version != held.manifest.keyframe_version:
+                raise ChainBrokenError(
+                    f"{self.store.url}/{plan[0].link.key}: keyframe_version {oldest.keyframe_version} differs from "
+                    f"its base's (version {held.version}, keyframe_version {held.manifest.keyframe_version})")
             for lm in plan:
                 self._apply(lm, head)
             return self.version
@@ -433,7 +444,7 @@ def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> l
                 f.cancel()
     if interrupt is not None:
         raise interrupt
-    return [f.result() for f in futures]
+    return [f.result() for f in futures]  # a call skipped after an error returned None: that error raises first
 
 
 def _shielded(fn: Callable[[], object]) -> object:
