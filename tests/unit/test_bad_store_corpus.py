@@ -295,8 +295,8 @@ def many_tiny_blocks_first_broken(e: Env, n: int = 8_000) -> None:
     replace_payload(e, 2, blocks, b"\0", tensors_fn=lambda o: add_tensor(o, "zz_tiny", "uint8", [n]))
 
 
-def many_tiny_segments(e: Env, n: int = 40_000) -> None:
-    """One block of n one-element planes segments (~0.6 MiB of manifest) that all decode, then
+def many_tiny_segments(e: Env, n: int = 25_000) -> None:
+    """One block of n one-element planes segments (~0.35 MiB of manifest) that all decode, then
     a digest that lies: the reader does all the work and must still stay within its bounds."""
     def tensors(o: dict) -> None:
         add_tensor(o, "zz_tiny", "uint8", [n])
