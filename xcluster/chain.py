@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import (ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError, ResourceLimitError,
-                     XclusterError)
+                     RunMismatchError, SignatureError, XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
                      parse_manifest, xxh3_128)
 from .store import Store
@@ -123,7 +123,8 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
               on_retry: Callable[[str], None] | None = None) -> list[LinkedManifest]:
     """Manifests from ``link`` back to the newest keyframe at or below it, or to the first one
     for which ``stop`` is true (that one included), **oldest first**. Refuses a chain longer
-    than ``max_chain`` before reading past it."""
+    than ``max_chain`` before reading past it, and one whose deltas disagree with their bases on
+    ``keyframe_version`` (:class:`ChainBrokenError`)."""
     chain: list[LinkedManifest] = []
     cur = link
     while True:
@@ -131,6 +132,10 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
             raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
                                    f"{link.version} and a keyframe (max_chain)")
         lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+        if chain and lm.manifest.keyframe_version != chain[-1].manifest.keyframe_version:
+            raise ChainBrokenError(
+                f"{store.url}/{chain[-1].link.key}: keyframe_version {chain[-1].manifest.keyframe_version} differs "
+                f"from its base's ({lm.link.key}: {lm.manifest.keyframe_version}): one of them lies")
         chain.append(lm)
         if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
             break
@@ -154,6 +159,7 @@ def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], boo
     links: list[Link] = []
     cur = link
     total = 0
+    newer: tuple[str, int] | None = None  # (key, keyframe_version) of the manifest read before
     while True:
         if refused is not None and (known := refused.get((cur.version, cur.xxh3_128))) is not None:
             raise type(known)(str(known))
@@ -171,15 +177,20 @@ def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], boo
                 if refused is not None:
                     refused[(link.version, link.xxh3_128)] = err
                 raise err
+            if newer is not None and lm.manifest.keyframe_version != newer[1]:
+                raise ChainBrokenError(
+                    f"{store.url}/{newer[0]}: keyframe_version {newer[1]} differs from its base's ({lm.link.key}: "
+                    f"{lm.manifest.keyframe_version}): one of them lies")
             if check is not None:
                 check(lm)
-        except (FormatError, ResourceLimitError) as exc:  # what these bytes say: the same next time
+        except (FormatError, ResourceLimitError, SignatureError, RunMismatchError) as exc:  # the same next time
             if refused is not None:
                 refused.setdefault((cur.version, cur.xxh3_128), exc)
             raise
         links.append(cur)
         if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
             break
+        newer = (cur.key, lm.manifest.keyframe_version)
         cur = Link.base_of(lm.manifest)
         del lm  # one parsed manifest at a time
     links.reverse()

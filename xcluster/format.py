@@ -502,8 +502,9 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         if not isinstance(c, dict):
             raise FormatError(f"{cw} must be an object")
         cname = check_chunk_name(c.get("name"))
-        if cname in names or cname == "manifest.json":
-            raise FormatError(f"{cw}: duplicate or reserved chunk name {cname!r}")
+        if cname in names or _MANIFEST_NAME.fullmatch(cname):
+            raise FormatError(f"{cw}: duplicate chunk name, or a manifest's name ({cname!r}): a chunk never "
+                              "shares a name with a manifest in its version's directory")
         names.add(cname)
         chunks.append(ChunkEntry(cname, _int(c, "size", cw, lo=1, hi=MAX_CHUNK_BYTES),
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))

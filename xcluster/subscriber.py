@@ -310,8 +310,17 @@ class Subscriber:
 
             def check(lm: LinkedManifest) -> None:  # before any chunk is fetched
                 where = f"{self.store.url}/{lm.link.key}"
-                self._check_trust(lm.manifest, head, where=where)
-                self._check_limits(lm.manifest, where)
+                m = lm.manifest
+                if m.version == head.version and (m.kind, m.keyframe_version) != (head.kind, head.keyframe_version):
+                    raise ChainBrokenError(
+                        f"{self.store.url}: HEAD says version {head.version} is a {head.kind} of keyframe_version "
+                        f"{head.keyframe_version}, its manifest says {m.kind} of {m.keyframe_version}")
+                if reaches_held(lm) and m.kind != KEYFRAME and m.keyframe_version != held.manifest.keyframe_version:
+                    raise ChainBrokenError(
+                        f"{where}: keyframe_version {m.keyframe_version} differs from its base's (version "
+                        f"{held.version}, keyframe_version {held.manifest.keyframe_version})")
+                self._check_trust(m, head, where=where)
+                self._check_limits(m, where)
 
             plan = walk_links(self.store, target, stop=reaches_held, check=check,
                               max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
@@ -534,12 +543,26 @@ def _alloc(t: TensorEntry, where: str) -> torch.Tensor:
 def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
     """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
     call has finished or was cancelled before starting, even if this thread is interrupted
-    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then."""
+    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then.
+    After a first error no further call starts (a version of many broken blocks costs one)."""
     futures: list[Future] = []
     interrupt: BaseException | None = None
+    failed = threading.Event()
+
+    def call(i: int) -> object:
+        if failed.is_set():
+            return None
+        try:
+            return fn(i)
+        except BaseException:
+            failed.set()
+            raise
+
     try:
         for i in range(n):
-            futures.append(pool.submit(fn, i))
+            if failed.is_set():
+                break
+            futures.append(pool.submit(call, i))
     except BaseException as exc:  # noqa: BLE001 - interrupted while submitting: stop submitting, wait below
         interrupt = exc
     while True:
@@ -552,7 +575,7 @@ def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> l
                 f.cancel()
     if interrupt is not None:
         raise interrupt
-    return [f.result() for f in futures]
+    return [f.result() for f in futures]  # a call skipped after an error returned None: that error raises first
 
 
 def _shielded(fn: Callable[[], object]) -> object:

@@ -54,6 +54,9 @@ def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: 
         out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len,
                                                       allow_extra_data=False)
     except zstandard.ZstdError as exc:
+        if "Destination buffer is too small" in str(exc):  # ZSTD_error_dstSize_tooSmall: it inflates past raw_len
+            raise DecompressionBombError(f"{where}: zstd frame declares {raw_len} bytes but inflates past them "
+                                         "(its header lies): a decompression bomb") from exc
         raise DecodeError(f"{where}: corrupt zstd frame ({exc})") from exc
     if len(out) != raw_len:
         raise DecodeError(f"{where}: decoded {len(out)} bytes, manifest says {raw_len}")
