@@ -14,6 +14,9 @@ Fault kinds, chosen per request by a seeded probability or an explicit schedule:
 
 ``latency_s`` adds a fixed delay to every request (half before forwarding it, half before the
 answer): request/response round trips then take that much longer, as over a WAN.
+Traffic is counted whatever the faults: ``requests`` (and ``requests_by_method``), ``bytes_up``
+(request heads and bodies read from clients) and ``bytes_down`` (response heads and bodies sent
+to them); ``reset_traffic()`` zeroes them (``counts`` of faults are kept).
 ``strip_request_headers`` drops headers before forwarding (to imitate a server that ignores them;
 only works with servers that do not check signatures, such as moto).
 
@@ -113,6 +116,9 @@ class FaultProxy:
         self.strip = {h.lower() for h in strip_request_headers}
         self.counts: Counter[str] = Counter()
         self.requests = 0
+        self.requests_by_method: Counter[str] = Counter()
+        self.bytes_up = 0
+        self.bytes_down = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._sock = socket.create_server(listen)
@@ -129,6 +135,25 @@ class FaultProxy:
             if kinds is not None:
                 self.kinds = kinds
             self.methods = methods
+
+    def reset_traffic(self) -> None:
+        """Zero the traffic counters (requests, by method, bytes up and down)."""
+        with self._lock:
+            self.requests_by_method.clear()
+            self.bytes_up = self.bytes_down = 0
+
+    def traffic(self) -> tuple[int, int, int]:
+        """(requests, bytes up, bytes down) since the last ``reset_traffic()``."""
+        with self._lock:
+            return sum(self.requests_by_method.values()), self.bytes_up, self.bytes_down
+
+    def _up(self, n: int) -> None:
+        with self._lock:
+            self.bytes_up += n
+
+    def _down(self, n: int) -> None:
+        with self._lock:
+            self.bytes_down += n
 
     def release(self) -> None:
         """Forward every held request (and every later one that would be held)."""
@@ -163,6 +188,7 @@ class FaultProxy:
         with self._lock:
             index = self.requests
             self.requests += 1
+            self.requests_by_method[method] += 1
             if self.schedule is not None:
                 kind = self.schedule(index, method, path)
             elif self.methods is not None and method not in self.methods:
@@ -189,20 +215,23 @@ class FaultProxy:
             while True:
                 first, headers = _read_head(cf)
                 method, path = first.decode("latin-1").split(" ")[:2]
+                self._up(len(_head_bytes(first, headers)))
                 kind = self._choose(method, path)
                 if _get(headers, "expect"):
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 headers = [(k, v) for k, v in headers
                            if k.lower() != "expect" and k.lower() not in self.strip]
                 if kind in _CANNED:  # answer ourselves; the request never reaches the server
-                    for _ in _body_chunks(cf, headers):
-                        pass
+                    for piece in _body_chunks(cf, headers):
+                        self._up(len(piece))
                     self._count(kind)
                     status, reason, code, message = _CANNED[kind]
                     body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                             f"<Message>{message}</Message></Error>").encode()
-                    client.sendall(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml"
-                                   f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                    canned = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml"
+                              f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                    client.sendall(canned)
+                    self._down(len(canned))
                     continue
                 if self.latency_s:
                     time.sleep(self.latency_s / 2)
@@ -220,6 +249,7 @@ class FaultProxy:
                     self._released.wait()
                 upstream.sendall(_head_bytes(first, headers))
                 for piece in (body if kind == HOLD else _body_chunks(cf, headers)):
+                    self._up(len(piece))
                     upstream.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
                 if chunked:
                     upstream.sendall(b"0\r\n\r\n")
@@ -266,13 +296,16 @@ class FaultProxy:
             cut = length // 2
             if length == 0:
                 client.sendall(head[: len(head) // 2])
+                self._down(len(head) // 2)
             else:
                 client.sendall(head)
+                self._down(len(head))
                 sent = 0
                 for piece in pieces:
                     take = piece[: max(0, cut - sent)]
                     if take:
                         client.sendall(take)
+                        self._down(len(take))
                     sent += len(piece)
                     if sent >= cut:
                         break
@@ -280,6 +313,7 @@ class FaultProxy:
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False
         client.sendall(head)
+        self._down(len(head))
         flip_at = length // 2 if kind == "flip" and length > 0 else -1
         if flip_at >= 0:
             self._count(kind)
@@ -289,5 +323,6 @@ class FaultProxy:
                 i = flip_at - sent
                 piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1:]
             client.sendall(piece)
+            self._down(len(piece))
             sent += len(piece)
         return True
