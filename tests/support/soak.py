@@ -222,7 +222,7 @@ class SoakConfig:
     publisher_fault_probability: float = 0.05
     """Per request through the trainer's proxy."""
     fault_latency_s: float = 0.5
-    kill_every_s: tuple[float, float] = (0.5, 3.0)
+    kill_every_s: tuple[float, float] = (1.0, 5.0)
     restart_delay_s: tuple[float, float] = (0.0, 1.0)
     publisher_kill_share: float = 0.3
     offline: bool = True
@@ -367,6 +367,7 @@ class Soak:
         self.rng = random.Random(cfg.seed)
         self.truth = Truth(cfg.model)
         self.report = SoakReport(cfg)
+        self.report.subs = {f"sub-{i}": SubReport(f"sub-{i}") for i in range(cfg.subscribers)}
         self.journal: dict[int, dict] = {}
         self._journal_pos = 0
         self.head_seen: dict[int, float] = {}  # version -> first time the referee saw HEAD name it
@@ -417,7 +418,6 @@ class Soak:
                     "--poll", str(cfg.poll_s), "--lease-interval", str(cfg.lease_interval_s), "--backoff-max", "2",
                     "--node-id", name, "--log-format", "json", "--keep", "2", "--no-progress"],
                     {**base_env, "AWS_ENDPOINT_URL": sub_proxy.endpoint}, work / f"{name}.log"))
-                self.report.subs[name] = SubReport(name)
             try:
                 self._chaos(t0)
                 self._converge()
@@ -448,6 +448,7 @@ class Soak:
         faults = sum(sum(px.counts.values()) for px in self.proxies)
         cfg = self.cfg
         return (self.head_version >= cfg.versions and faults >= cfg.min_faults and self.report.kills >= cfg.min_kills
+                and (self.report.publisher_kills >= 1 or cfg.publisher_kill_share == 0)
                 and (not cfg.offline or "rejoined_at" in self.report.offline))
 
     def _chaos(self, t0: float) -> None:
@@ -476,7 +477,8 @@ class Soak:
             if now >= next_kill and self.head_version >= 1:
                 next_kill = now + rng.uniform(*cfg.kill_every_s)
                 victims = [s for s in self.subs if s.alive and s is not self._away()]
-                pick = self.publisher if (self.publisher.alive and rng.random() < cfg.publisher_kill_share) \
+                owed = cfg.publisher_kill_share > 0 and self.report.publisher_kills == 0 and self.report.kills >= 2
+                pick = self.publisher if (self.publisher.alive and (owed or rng.random() < cfg.publisher_kill_share)) \
                     else (rng.choice(victims) if victims else None)
                 if pick is not None and pick.kill9():
                     if pick is self.publisher:
