@@ -19,8 +19,8 @@ SMALL = ModelSpec(tensors=3, rows=64, cols=128)
 @pytest.mark.integration
 @pytest.mark.slow
 def test_short_fault_soak_converges_with_no_corrupt_observation(tmp_path):
-    cfg = SoakConfig(versions=30, subscribers=3, min_faults=100, min_kills=8, duration_s=80, converge_timeout_s=60,
-                     kill_every_s=(0.8, 2.0), gc_every_s=2.0, grace_s=3.0, lease_ttl_s=3.0, seed=5,
+    cfg = SoakConfig(versions=30, subscribers=3, min_faults=100, min_kills=8, duration_s=100, converge_timeout_s=60,
+                     keyframe_every=6, kill_every_s=(2.5, 4.5), gc_every_s=2.0, grace_s=3.0, lease_ttl_s=3.0, seed=5,
                      workdir=tmp_path / "soak")
     report = run_soak(cfg)
     print(report.table())

@@ -299,7 +299,6 @@ class SoakReport:
                          f" came back by keyframe v{o.get('keyframe')}: "
                          f"{'yes' if o.get('rejoined_by_keyframe') else 'no'}"))
         rows.append(("corrupt observations", str(len(self.corrupt))))
-        out = [f"{'':<36} {'':<}"]
         w = max(len(r[0]) for r in rows)
         out = [f"{k:<{w}}  {v}" for k, v in rows]
         out.append("")
@@ -460,6 +459,7 @@ class Soak:
         next_kill = time.monotonic() + rng.uniform(*cfg.kill_every_s) + 3.0
         self._next_gc = time.monotonic() + cfg.gc_every_s
         self._gc_proc: subprocess.Popen | None = None
+        pub_head = 0  # HEAD when the trainer last (re)started
         while not self._targets_met():
             now = time.monotonic()
             if now - t0 > cfg.duration_s:
@@ -472,13 +472,17 @@ class Soak:
             for p in [self.publisher, *self.subs]:
                 if p.restart_at is not None and now >= p.restart_at:
                     p.start()
+                    if p is self.publisher:
+                        pub_head = self.head_version
             if offline is not None:
                 self._offline_phase(offline, now)
             if now >= next_kill and self.head_version >= 1:
                 next_kill = now + rng.uniform(*cfg.kill_every_s)
                 victims = [s for s in self.subs if s.alive and s is not self._away()]
                 owed = cfg.publisher_kill_share > 0 and self.report.publisher_kills == 0 and self.report.kills >= 2
-                pick = self.publisher if (self.publisher.alive and (owed or rng.random() < cfg.publisher_kill_share)) \
+                # the trainer is killed again only once it has committed since its restart: it must make progress
+                pub_ok = self.publisher.alive and self.head_version > pub_head
+                pick = self.publisher if (pub_ok and (owed or rng.random() < cfg.publisher_kill_share)) \
                     else (rng.choice(victims) if victims else None)
                 if pick is not None and pick.kill9():
                     if pick is self.publisher:
