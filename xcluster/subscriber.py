@@ -259,12 +259,13 @@ class Subscriber:
             self._head, self._head_etag = r
         return self._head
 
-    def sync(self, *, until: int | None = None) -> int | None:
+    def sync(self, *, until: int | None = None, poll: bool = True) -> int | None:
         """Apply every committed version up to HEAD (or up to ``until``); returns the version now
         held (None while the store is empty). A HEAD below what is held raises
-        :class:`RollbackError` and changes nothing."""
+        :class:`RollbackError` and changes nothing. ``poll=False``: up to the HEAD the caller's
+        own :meth:`poll` just read (no second request)."""
         with self._sync_lock:
-            head = self.poll()
+            head = self.poll() if poll or self._head is None else self._head
             if head is None:
                 return self.version
             held = self._held

@@ -218,7 +218,7 @@ class Daemon:
                 if held is None or head.version > held:
                     self._target = head.version
                     self._write_lease(force=True)
-                self.subscriber.sync()
+                self.subscriber.sync(poll=False)  # up to the HEAD just read: one request per poll
             self._store_backoff.reset()
         except StoreError as exc:
             log.warning("store error (will retry with backoff): %s", exc)
