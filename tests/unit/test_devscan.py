@@ -48,9 +48,16 @@ def _extremes(dt: torch.dtype, n: int, gen: torch.Generator) -> tuple[torch.Tens
     return old, new
 
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous view one element into a buffer (not 8-byte aligned: no word-wise scan)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    buf[1:] = t.reshape(-1)
+    return buf[1:].view(t.shape)
+
+
 def case(dt: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A base and a new state with every kind of range: sparse, dense, unchanged, extremes, added,
-    removed, reshaped, retyped, empty, a tail not a multiple of the scan's word."""
+    removed, reshaped, retyped, empty, a tail not a multiple of the scan's word, not word-aligned."""
     gen = torch.Generator().manual_seed(seed)
     old = {
         "dense": random_tensor(dt, (3001,), gen),
@@ -74,6 +81,10 @@ def case(dt: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict[str,
     old["threshold"] = random_tensor(dt, (1000,), gen)  # exactly dense_threshold (0.25) changed: dense
     new["threshold"] = old["threshold"].clone()
     np_bits(new["threshold"])[torch.randperm(1000, generator=gen)[:250].numpy()] ^= 1
+    old["unaligned"] = _unaligned(random_tensor(dt, (2001,), gen))
+    new["unaligned"] = _unaligned(perturb(old["unaligned"], 0.01, gen))
+    old["unaligned"] = _unaligned(random_tensor(dt, (2001,), gen))
+    new["unaligned"] = _unaligned(perturb(old["unaligned"], 0.01, gen))
     return old, new
 
 
@@ -156,7 +167,8 @@ def versions(dt: torch.dtype) -> list[dict[str, torch.Tensor]]:
 
 def publish_all(vs, *, device: str, scan: str, base_on: str = "device", keyframe_every: int = 4):
     store = memory_store()
-    cfg = PublisherConfig(keyframe_every=keyframe_every, keyframe_chain_fraction=None, base_on=base_on, run_id="devscan",
+    cfg = PublisherConfig(keyframe_every=keyframe_every, keyframe_chain_fraction=None, base_on=base_on,
+                          run_id="devscan",
                           codec=CodecConfig(scan=scan, **SMALL))
     pub = Publisher(store=store, config=cfg, clock=lambda: 1_700_000_000.0, attempt_id=lambda: "a0")
     sub = Subscriber(store=store)
