@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .codec.encode import CodecConfig, apply_update, encode_version
+from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
+from .codec.encode import CodecConfig, encode_version
 from .commit import Committer, LateCommitError
-from .digest import model_digest_from, tensor_digest
+from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
 from .files import FileSet, collect_files
@@ -75,6 +76,12 @@ class PublisherConfig:
     """Path of an Ed25519 private key (PEM, from ``xcluster keygen``): every manifest and HEAD is
     signed with it. None: ``$XCLUSTER_SIGNING_KEY`` / ``$XCLUSTER_SIGNING_KEY_FILE`` when set, else
     unsigned (see xcluster/signing.py, docs/SECURITY.md)."""
+    base_on: str = "device"
+    """Where the base for the next delta is kept when versions are scanned on the device (tensors on
+    a GPU, or ``codec.scan="torch"``): ``"device"`` keeps a copy there (one model's worth of device
+    memory; only the changes cross to the host); ``"host"`` keeps only the host copy, brought to the
+    device range by range for each scan (no device memory; the whole base crosses every version).
+    The publisher always keeps a host copy too: the digests are taken there."""
     run_id: str | None = None
     """The training run's id ([a-z0-9], at most 32), written into every manifest and HEAD (and so
     covered by the signature). None: continue the run HEAD names, or start a new random one. A
@@ -92,6 +99,8 @@ class PublisherConfig:
             raise ConfigError(f"keyframe_chain_fraction must be > 0 or None, got {self.keyframe_chain_fraction}")
         if self.snapshot not in ("device", "pinned"):
             raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
+        if self.base_on not in BASE_ON:
+            raise ConfigError(f"base_on must be 'device' or 'host', got {self.base_on!r}")
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s must be >= 0 (seconds), got {self.close_timeout_s}")
         if self.run_id is not None:
@@ -125,8 +134,9 @@ class PublishResult:
         return 8 * self.bytes_written / self.changed_elements if self.changed_elements else 0.0
 
 
-def prepare_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Validate names and dtypes; return contiguous CPU tensors (no copy when already so)."""
+def prepare_state(state_dict: Mapping[str, torch.Tensor], *, keep_device: bool = False) -> dict[str, torch.Tensor]:
+    """Validate names and dtypes; return contiguous CPU tensors (no copy when already so), or with
+    ``keep_device`` contiguous tensors on their own devices (for the scan on the device)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         check_tensor_name(name)
@@ -136,7 +146,7 @@ def prepare_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
         t = t.detach()
         if t.dtype == torch.bool:  # a bool byte other than 0/1 (a view of uint8) would not survive a copy
             t = t.view(torch.uint8).ne(0) if t.numel() else t
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not keep_device:
             t = t.cpu()
         if t.is_sparse or t.layout != torch.strided:
             raise TypeError(f"state_dict[{name!r}] has layout {t.layout}; only dense tensors are supported")
@@ -161,7 +171,7 @@ class Publisher:
         self._clock = clock
         self._attempt_id = attempt_id
         self._lock = threading.Lock()
-        self._base: dict[str, torch.Tensor] | None = None
+        self._base: BaseCopy | None = None
         self._base_model_digest: str | None = None
         self._base_link: tuple[str, str] | None = None  # (manifest name, manifest hash) of the base
         self._base_version = 0
@@ -276,15 +286,12 @@ class Publisher:
     def _publish_once(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()
         cfg = self.config
-        new = prepare_state(state_dict)
+        on_device = any(cfg.codec.scans_with_torch(t) for t in state_dict.values() if isinstance(t, torch.Tensor))
+        new = prepare_state(state_dict, keep_device=on_device)
         c = self._committer
         if c.unsure:  # the last HEAD write may or may not have landed: look again, start a new chain
             c.refresh()
             self._base = None
-        names = sorted(new)
-        with ThreadPoolExecutor(max_workers=cfg.codec.workers) as pool:
-            digests = dict(zip(names, pool.map(lambda n: tensor_digest(new[n]), names)))
-        mdigest = model_digest_from((n, dtype_name(new[n].dtype), tuple(new[n].shape), digests[n]) for n in names)
         version = c.version + 1
         if self._base_version != c.version:  # never a delta on anything but the version HEAD names
             self._base = None
@@ -295,10 +302,25 @@ class Publisher:
         tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
         chunks: list[str] = []
         manifest_attempted = False
+        base = None if is_key else self._base
+        if on_device and base is not None:  # only the changes cross: the host copy is built from them
+            host_new: dict[str, torch.Tensor] = {}
+
+            def digests(update):
+                host_new.update(base.host_after(new, update))
+                return base.digests_after(host_new, update, cfg.codec.workers)
+            source, against = new, base.scan
+        else:
+            host_new = {n: host_copy(t) for n, t in new.items()} if on_device else new
+            digests = tensor_digests(host_new, cfg.codec.workers)
+            source, against = host_new, None if base is None else base.host
+        if on_device:  # the caller's pending work on its streams comes before the scan
+            for dev in {t.device for t in new.values() if t.is_cuda}:
+                torch.cuda.current_stream(dev).synchronize()
         try:
             file_bytes = self._files.upload()
-            encoded, uploaded = self._encode_and_upload(version, new, digests, None if is_key else self._base,
-                                                        chunks, tags, attempt)
+            encoded, uploaded = self._encode_and_upload(version, source, digests, against, chunks, tags, attempt)
+            mdigest = model_digest_from((e.name, e.dtype, e.shape, e.digest) for e in encoded.tensors)
             assert is_key or self._base_link is not None
             manifest = Manifest(
                 version=version, kind=KEYFRAME if is_key else DELTA,
@@ -335,13 +357,17 @@ class Publisher:
             raise
         # committed: advance our view and bring the private base up to date
         delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
+        if is_key or on_device:
+            owned = host_new if on_device else {n: t.clone() for n, t in new.items()}
+            self._base = BaseCopy.of(new, owned, {e.name: e.digest for e in encoded.tensors},
+                                     on_device=on_device and cfg.base_on == "device", reuse=self._base)
+        else:
+            assert self._base is not None
+            self._base.advance_host(new, encoded.update, {e.name: e.digest for e in encoded.tensors})
         if is_key:
-            self._base = {n: t.clone() for n, t in new.items()}
             self._keyframe_version, self._since_keyframe = version, 0
             self._keyframe_bytes, self._chain_bytes = delta_bytes, 0
         else:
-            assert self._base is not None
-            apply_update(self._base, new, encoded.update)
             self._since_keyframe += 1
             self._chain_bytes += delta_bytes
         self._base_model_digest, self._base_link = mdigest, (mname, mhash)

@@ -6,19 +6,21 @@ upload while the rest is still being encoded; nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..dtypes import dtype_name, flat_bits, np_bits
+from ..dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
 from ..format import (DENSE_SUB, INIT_BASE, INIT_NONE, PLANES, SPARSE_SUB, BlockEntry, ChunkEntry, Segment,
                       StreamEntry, TensorEntry, xxh3_128)
-from . import streams
+from . import scan_torch, streams
 from .changes import find_changes, split_planes, zigzag_diff
+
+SCANS = ("auto", "numpy", "torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +39,11 @@ class CodecConfig:
     positions. At most 1/2: readers refuse sparse ranges with more changed elements than that."""
     workers: int = 2
     """Threads compressing blocks (zstd releases the GIL)."""
+    scan: str = "auto"
+    """How changes are found: ``"numpy"`` on the host (the publisher copies CUDA tensors there
+    first); ``"torch"`` with torch ops on the tensors' own device, so only the changes cross to
+    the host (codec/scan_torch.py); ``"auto"``: torch for tensors that are not on the CPU, numpy
+    for the rest. All three write the same bytes."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -55,6 +62,12 @@ class CodecConfig:
                               f"than half its elements changed), got {self.dense_threshold}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.scan not in SCANS:
+            raise ConfigError(f"scan must be one of {', '.join(map(repr, SCANS))}, got {self.scan!r}")
+
+    def scans_with_torch(self, t: torch.Tensor) -> bool:
+        """Is ``t`` scanned with torch ops (on its own device) rather than on the host?"""
+        return self.scan == "torch" or (self.scan == "auto" and t.device.type != "cpu")
 
 
 @dataclass(slots=True)
@@ -65,11 +78,18 @@ class _Seg:
 
 @dataclass
 class BaseUpdate:
-    """What changed, so the publisher can bring its copy of the base up to date cheaply."""
+    """What changed, so the publisher can bring its copy of the base up to date cheaply.
 
-    full: list[str] = field(default_factory=list)                       # copy whole tensor
-    ranges: list[tuple[str, int, int]] = field(default_factory=list)   # copy [start, end)
-    points: list[tuple[str, np.ndarray]] = field(default_factory=list)  # copy these positions
+    ``values`` are the new raw bits (unsigned host arrays) where the torch scan brought them to
+    the host; None where they are read from the new tensor itself (the numpy scan)."""
+
+    full: list[str] = field(default_factory=list)  # copy whole tensor
+    ranges: list[tuple[str, int, int, np.ndarray | None]] = field(default_factory=list)  # [start, end), values
+    points: list[tuple[str, np.ndarray, np.ndarray | None]] = field(default_factory=list)  # positions, values
+
+    def touched(self) -> set[str]:
+        """Names of the tensors this update changes."""
+        return {*self.full, *(r[0] for r in self.ranges), *(p[0] for p in self.points)}
 
 
 @dataclass
@@ -170,91 +190,148 @@ class _Range:
     full: bool  # carried as planes (new tensor, or keyframe)
 
 
-def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, dense_threshold: float):
-    """Scan and transform one range. Returns ``(encoding, width, seg, nnz, positions)`` or None."""
+@dataclass(slots=True)
+class ScannedRange:
+    """What the scan found in one range: its segment, ready for the packer, and the base update."""
+
+    name: str
+    start: int
+    end: int
+    encoding: str
+    width: int
+    seg: _Seg
+    nnz: int
+    positions: np.ndarray | None  # sparse-sub: absolute int64 positions
+    values: np.ndarray | None  # torch scan: the new raw bits there (sparse) or of the range (dense)
+
+
+def _host_bits(t: torch.Tensor, start: int, end: int) -> np.ndarray:
+    """Unsigned raw bits of ``t[start:end]`` (flat) on the host: a view, or a copy of the range."""
+    if t.device.type == "cpu":
+        return np_bits(t)[start:end]
+    return flat_bits(t)[start:end].cpu().numpy().view(UINT[t.element_size()])
+
+
+def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config: CodecConfig) -> ScannedRange | None:
+    """Scan and transform one range (None: nothing changed)."""
     w = new.element_size()
-    nnp = np_bits(new)[r.start:r.end]
     count = r.end - r.start
+    if config.scans_with_torch(new):
+        out = scan_torch.scan_range(new, None if r.full else old, r.start, r.end, config.dense_threshold)
+        if out is None:
+            return None
+        kind, planes, nnz, pos, values = out
+        encoding = {"planes": PLANES, "dense": DENSE_SUB, "sparse": SPARSE_SUB}[kind]
+        seg = Segment(r.t_idx, r.start, count, nnz if kind == "sparse" else count)
+        return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(seg, planes), nnz, pos, values)
+    nnp = _host_bits(new, r.start, r.end)
     if r.full:
-        return PLANES, w, _Seg(Segment(r.t_idx, r.start, count, count), split_planes(nnp)), count, None
+        return ScannedRange(r.name, r.start, r.end, PLANES, w, _Seg(Segment(r.t_idx, r.start, count, count),
+                                                                    split_planes(nnp)), count, None, None)
     assert old is not None
-    onp = np_bits(old)[r.start:r.end]
+    onp = _host_bits(old, r.start, r.end)
     pos, ov, nv = find_changes(onp, nnp)
     nnz = int(pos.size)
     if nnz == 0:
         return None
-    if nnz >= dense_threshold * count:
+    if nnz >= config.dense_threshold * count:
         z = zigzag_diff(onp, nnp)
-        return DENSE_SUB, w, _Seg(Segment(r.t_idx, r.start, count, count), split_planes(z)), nnz, None
+        return ScannedRange(r.name, r.start, r.end, DENSE_SUB, w, _Seg(Segment(r.t_idx, r.start, count, count),
+                                                                       split_planes(z)), nnz, None, None)
     gaps = (np.diff(pos, prepend=-1) - 1).astype(np.uint32)
     z = zigzag_diff(ov, nv)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), split_planes(gaps) + split_planes(z))
-    return SPARSE_SUB, w, seg, nnz, pos + r.start
+    return ScannedRange(r.name, r.start, r.end, SPARSE_SUB, w, seg, nnz, pos + r.start, None)
 
 
-def encode_version(new: Mapping[str, torch.Tensor], digests: Mapping[str, str],
-                   base: Mapping[str, torch.Tensor] | None, config: CodecConfig,
-                   emit: Callable[[ChunkEntry, bytes], None], *, chunk_prefix: str = "chunk") -> EncodedVersion:
-    """Encode ``new`` as a keyframe (``base is None``) or as a delta against ``base``.
+def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
+    return old is not None and old.dtype == t.dtype and tuple(old.shape) == tuple(t.shape)
 
-    ``new`` and ``base`` hold contiguous CPU tensors. Sealed chunks, named
-    ``<chunk_prefix>-NNNNNN.xc``, go to ``emit`` in order. Ranges are scanned on a pool of
-    ``config.workers`` threads, a bounded window ahead; results are consumed in order, so the
-    output does not depend on timing.
-    """
-    entries: list[TensorEntry] = []
+
+def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None,
+                 config: CodecConfig) -> Iterator[ScannedRange]:
+    """The ranges of ``new`` (sorted by name, then position) that carry something against ``base``
+    (None: a keyframe), scanned on a pool of ``config.workers`` threads a bounded window ahead and
+    yielded in order, so the output does not depend on timing. Tensors that are new, or whose
+    dtype or shape changed, are carried whole (planes)."""
     ranges: list[_Range] = []
-    update = BaseUpdate()
     for t_idx, name in enumerate(sorted(new)):
         t = new[name]
-        old = base.get(name) if base is not None else None
-        same = old is not None and old.dtype == t.dtype and tuple(old.shape) == tuple(t.shape)
-        entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), digests[name],
-                                   INIT_BASE if same else INIT_NONE))
-        if not same:  # even when empty: the publisher's base must take the new dtype and shape
-            update.full.append(name)
+        full = not _same(t, base.get(name) if base is not None else None)
         rlen = _range_len(t.element_size(), config.block_bytes)
-        ranges.extend(_Range(t_idx, name, s, min(s + rlen, t.numel()), not same) for s in range(0, t.numel(), rlen))
-
-    packer = _Packer(config, emit, chunk_prefix)
-    changed = 0
+        ranges.extend(_Range(t_idx, name, s, min(s + rlen, t.numel()), full) for s in range(0, t.numel(), rlen))
     window = 2 * config.workers
-    try:
-        with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xc-scan") as pool:
-            def submit(r: _Range) -> Future:
-                old = None if r.full or base is None else base[r.name]
-                return pool.submit(_encode_range, r, new[r.name], old, config.dense_threshold)
+    with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xc-scan") as pool:
+        def submit(r: _Range) -> Future:
+            old = None if r.full or base is None else base[r.name]
+            return pool.submit(_encode_range, r, new[r.name], old, config)
 
-            queue = [submit(r) for r in ranges[:window]]
-            for i, r in enumerate(ranges):
+        queue = [submit(r) for r in ranges[:window]]
+        try:
+            for i in range(len(ranges)):
                 out = queue[i].result()
                 queue[i] = None  # type: ignore[call-overload]  # drop the reference: bounded memory
                 if i + window < len(ranges):
                     queue.append(submit(ranges[i + window]))
-                if out is None:
-                    continue
-                encoding, w, seg, nnz, pos = out
-                changed += nnz
-                packer.add(encoding, w, seg)
-                if encoding == DENSE_SUB:
-                    update.ranges.append((r.name, r.start, r.end))
-                elif encoding == SPARSE_SUB:
-                    update.points.append((r.name, pos))
+                if out is not None:
+                    yield out
+        finally:
+            for f in queue:
+                if f is not None:
+                    f.cancel()
+
+
+def encode_version(new: Mapping[str, torch.Tensor],
+                   digests: Mapping[str, str] | Callable[[BaseUpdate], Mapping[str, str]],
+                   base: Mapping[str, torch.Tensor] | None, config: CodecConfig,
+                   emit: Callable[[ChunkEntry, bytes], None], *, chunk_prefix: str = "chunk") -> EncodedVersion:
+    """Encode ``new`` as a keyframe (``base is None``) or as a delta against ``base``.
+
+    ``new`` and ``base`` hold contiguous tensors: on the CPU for ``config.scan="numpy"``; with the
+    torch scan, anywhere (a base on another device than its new tensor is brought over range by
+    range). ``digests`` are the tensor digests of ``new``, or a function that computes them from the
+    :class:`BaseUpdate` once the scan is done (the torch scan brings only the changes to the host).
+    Sealed chunks, named ``<chunk_prefix>-NNNNNN.xc``, go to ``emit`` in order.
+    """
+    update = BaseUpdate()
+    for name in sorted(new):
+        if not _same(new[name], base.get(name) if base is not None else None):
+            update.full.append(name)  # even when empty: the publisher's base must take the new dtype and shape
+    packer = _Packer(config, emit, chunk_prefix)
+    changed = 0
+    try:
+        for sr in scan_version(new, base, config):
+            changed += sr.nnz
+            packer.add(sr.encoding, sr.width, sr.seg)
+            if sr.encoding == DENSE_SUB:
+                update.ranges.append((sr.name, sr.start, sr.end, sr.values))
+            elif sr.encoding == SPARSE_SUB:
+                update.points.append((sr.name, sr.positions, sr.values))
         packer.finish()
     except BaseException:
         packer.abort()
         raise
+    if callable(digests):
+        digests = digests(update)
+    entries = [TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), digests[name],
+                           INIT_NONE if name in update.full else INIT_BASE)
+               for name, t in ((n, new[n]) for n in sorted(new))]
     return EncodedVersion(entries, packer.blocks, packer.chunks, changed, update)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
 def apply_update(base: dict[str, torch.Tensor], new: Mapping[str, torch.Tensor], update: BaseUpdate) -> None:
-    """Bring the publisher's private copy ``base`` to ``new`` using what the encoder found changed."""
+    """Bring the publisher's host copy ``base`` to ``new`` using what the encoder found changed
+    (``new`` may live on a device when the update carries the values)."""
     for name in [n for n in base if n not in new]:
         del base[name]
     for name in update.full:
-        base[name] = new[name].clone()
-    for name, s, e in update.ranges:
-        flat_bits(base[name])[s:e] = flat_bits(new[name])[s:e]
-    for name, pos in update.points:
-        b, n = np_bits(base[name]), np_bits(new[name])
-        b[pos] = n[pos]
+        base[name] = _host_copy(new[name])
+    for name, s, e, values in update.ranges:
+        np_bits(base[name])[s:e] = np_bits(new[name])[s:e] if values is None else values
+    for name, pos, values in update.points:
+        b = np_bits(base[name])
+        b[pos] = np_bits(new[name])[pos] if values is None else values
