@@ -407,6 +407,7 @@ class ShardedPublisher:
         tensors: list[TensorEntry] = []
         for n in names:
             ps = sorted(pieces[n])
+            ps = [p for p in ps if p[1] > 0] or ps[:1]  # a tensor without elements: any rank may pass it
             inits = {init for _, _, _, init in ps}
             if len(inits) != 1:  # the bases of the ranks disagree: never commit a mix
                 raise ShardedPublishError(f"the parts of {n} disagree on init ({sorted(inits)}): the ranks' bases "
@@ -458,7 +459,8 @@ def _delete_chunks(store: Store, keys: list[str]) -> None:
 
 def _prepare(shard: Mapping[str, torch.Tensor | Slice]) -> tuple[dict[str, torch.Tensor], list[list]]:
     """This rank's tensors (contiguous CPU, by global name) and layout rows
-    ``[name, dtype, global shape, element offset, element count]``, sorted by name."""
+    ``[name, dtype, global shape, element offset, element count]``, sorted by name. A slice of
+    no rows is dropped, unless the whole tensor has no elements (then any rank may pass it)."""
     tensors: dict[str, torch.Tensor] = {}
     rows: list[list] = []
     for name, value in shard.items():
@@ -478,7 +480,7 @@ def _prepare(shard: Mapping[str, torch.Tensor | Slice]) -> tuple[dict[str, torch
             if t.dim() != len(gshape) or tuple(t.shape[1:]) != gshape[1:] or not 0 <= off <= gshape[0] - t.shape[0]:
                 raise ShardLayoutError(f"{name}: a slice of shape {tuple(t.shape)} at row {off} is not a dim-0 slice "
                                        f"of a tensor of shape {gshape}")
-            if t.numel() == 0:
+            if t.numel() == 0 and math.prod(gshape) > 0:
                 continue  # this rank holds no rows of it
             rows.append([name, dtype_name(t.dtype), list(gshape), off * math.prod(gshape[1:]), t.numel()])
         elif isinstance(value, torch.Tensor):
@@ -519,8 +521,6 @@ def _check_layout(layouts: list[list[list]]) -> dict[str, dict]:
         else:
             if pos != numel:
                 problems.append(f"{name}: parts cover elements [0, {pos}) of {numel}")
-            elif len(ps) > 1 and numel == 0:
-                problems.append(f"{name}: a tensor without elements is passed whole by one rank")
         out[name] = {"dtype": dtype, "shape": list(shape), "parts": {str(o): k for o, k, _, _, _ in ps}}
     if problems:
         raise ShardLayoutError("the ranks' shards do not tile the model: " + "; ".join(problems[:20]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 from datetime import timedelta
@@ -19,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from xcluster import Subscriber, model_digest
-from xcluster.errors import ConfigError
+from xcluster import Subscriber, SubscriberConfig, model_digest
+from xcluster.errors import ConfigError, ShardLayoutError
 from xcluster.format import HEAD_KEY, parse_head, parse_manifest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal, mkey
 
-pytestmark = pytest.mark.slow
 
+GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 ROWS = {"embed": (600, 16), "layers.0.w": (24, 8), "head": (6, 4)}  # sliced in dim 0
 
 
@@ -122,7 +123,8 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     store = DyingStore(LocalStore(rootp / "store", fsync=False), after=0,
                        mode=scenario[:4] if scenario.startswith(("kill", "hang")) else "raise")
     cfg = PublisherConfig(keyframe_every=10, keyframe_chain_fraction=None, upload_workers=2,
-                          codec=CodecConfig(block_bytes=4096, chunk_bytes=4096, workers=1))
+                          codec=CodecConfig(block_bytes=4096, chunk_bytes=4096, workers=1),
+                          signing_key=str(GOLDEN_KEY) if scenario == "plain" else None)
     timeout = 3 if scenario.startswith("hang") else 20
     pub = ShardedPublisher(store=store, config=cfg, sharded=ShardedConfig(timeout_s=timeout))
 
@@ -200,9 +202,9 @@ def run_ranks(tmp_path: Path, world: int, scenario: str, *, timeout: float = 120
     return logs
 
 
-def check_versions(store, want: dict[int, tuple[int, dict[str, list[int]]]]) -> None:
+def check_versions(store, want: dict[int, tuple[int, dict[str, list[int]]]], *, trust: tuple[str, ...] = ()) -> None:
     """A fresh subscriber applies each version in turn and holds exactly the full state of its step."""
-    sub = Subscriber(store=store)
+    sub = Subscriber(store=store, config=SubscriberConfig(trusted_keys=trust))
     for version, (step, parts) in sorted(want.items()):
         assert sub.sync(until=version) == version
         full = full_state(step)
@@ -213,6 +215,7 @@ def check_versions(store, want: dict[int, tuple[int, dict[str, list[int]]]]) -> 
         assert m.schema_version == (3 if parts else 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_ranks_slices_deltas_failure_and_reshard(tmp_path):
     logs = run_ranks(tmp_path, 2, "main")
@@ -245,6 +248,7 @@ def test_two_ranks_slices_deltas_failure_and_reshard(tmp_path):
     assert m.kind == "keyframe" and len(m.chunks) > 2  # several chunks per rank, renumbered in one manifest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_four_ranks_reconstruct_bit_exactly(tmp_path):
     logs = run_ranks(tmp_path, 4, "plain")
@@ -252,9 +256,11 @@ def test_four_ranks_reconstruct_bit_exactly(tmp_path):
     assert [[(e["version"], e["kind"]) for e in lg["events"]] for lg in logs] == [[(1, "keyframe"), (2, "delta")]] * 4
     parts = expected_parts(4)
     assert len(parts["embed"]) == 4
-    check_versions(LocalStore(tmp_path / "store"), {1: (0, parts), 2: (1, parts)})
+    check_versions(LocalStore(tmp_path / "store"), {1: (0, parts), 2: (1, parts)}, trust=(f"{GOLDEN_KEY}.pub",))
+    assert parse_manifest(LocalStore(tmp_path / "store").get(mkey(LocalStore(tmp_path / "store"), 2)).data).signature
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scenario, victim, within", [("kill", 1, 19), ("kill", 0, 19), ("hang", 1, 15)],
                          ids=["worker-killed", "rank0-killed", "worker-hangs"])
@@ -281,3 +287,38 @@ def test_needs_an_initialised_process_group(tmp_path):
 
     with pytest.raises(ConfigError, match="init_process_group"):
         ShardedPublisher(str(tmp_path))
+
+
+@pytest.mark.parametrize("layouts, problem", [
+    ([[["w", "float32", [4, 3], 0, 6]], [["w", "float32", [4, 3], 3, 9]]], "overlap"),
+    ([[["w", "float32", [4, 3], 0, 3]], [["w", "float32", [4, 3], 6, 6]]], "hole"),
+    ([[["w", "float32", [4, 3], 0, 6]], []], "cover elements [0, 6) of 12"),
+    ([[["w", "float32", [4, 3], 0, 6]], [["w", "bfloat16", [4, 3], 6, 6]]], "disagree"),
+    ([[["w", "float32", [4, 3], 0, 12]], [["w", "float32", [4, 3], 0, 12]]], "overlap"),
+    ([[["e", "float32", [0, 3], 0, 0]], [["e", "float32", [0, 4], 0, 0]]], "disagree"),
+])
+def test_layout_must_tile_every_tensor(layouts, problem):
+    from xcluster.distributed import _check_layout
+
+    with pytest.raises(ShardLayoutError, match=re.escape(problem)):
+        _check_layout(layouts)
+
+
+def test_layout_of_slices_and_whole_tensors():
+    from xcluster.distributed import Slice, _check_layout, _prepare
+
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    t0, rows0 = _prepare({"w": Slice(w[:1], offset=0, global_shape=(4, 3)), "b": torch.zeros(2)})
+    t1, rows1 = _prepare({"w": Slice(w[1:], offset=1, global_shape=[4, 3]),
+                          "b": Slice(torch.zeros(0), offset=2, global_shape=(2,))})  # zero rows: ignored
+    assert rows0 == [["b", "float32", [2], 0, 2], ["w", "float32", [4, 3], 0, 3]]
+    assert rows1 == [["w", "float32", [4, 3], 3, 9]] and set(t1) == {"w"}
+    assert _check_layout([rows0, rows1])["w"]["parts"] == {"0": 3, "3": 9}
+    # a tensor without elements may come from several ranks (nothing to tile), never vanishes
+    _, e0 = _prepare({"e": Slice(torch.zeros(0, 3), offset=0, global_shape=(0, 3))})
+    _, e1 = _prepare({"e": torch.zeros(0, 3)})
+    assert _check_layout([e0, e1])["e"] == {"dtype": "float32", "shape": [0, 3], "parts": {"0": 0}}
+    for bad in (Slice(w[1:], offset=2, global_shape=(4, 3)), Slice(w, offset=0, global_shape=(4, 4)),
+                Slice(w, offset=-1, global_shape=(4, 3))):
+        with pytest.raises(ShardLayoutError, match="not a dim-0 slice"):
+            _prepare({"w": bad})
