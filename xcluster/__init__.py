@@ -11,6 +11,8 @@ _EXPORTS = {
     "Snapshot": ".subscriber",
     "Publisher": ".publisher", "PublisherConfig": ".publisher", "PublishResult": ".publisher",
     "PublishTicket": ".background", "BackgroundStats": ".background",
+    "ShardedPublisher": ".distributed", "ShardedConfig": ".distributed", "ShardedPublishResult": ".distributed",
+    "Slice": ".distributed",
     "BackgroundPublishError": ".errors",
     "CodecConfig": ".codec.encode",
     "model_digest": ".digest", "tensor_digest": ".digest",

@@ -180,3 +180,21 @@ class PublishCancelledError(XclusterError):
 
 class PublisherClosedError(XclusterError):
     """``publish()`` was called on a publisher that has been closed."""
+
+
+# --- sharded publishing (torch.distributed) --------------------------------------------------
+class ShardedPublishError(XclusterError):
+    """A sharded publish failed on some rank. Raised on every rank alike; rank 0 did not commit
+    (or says so if it did), nothing of the version is visible and the next ``publish()`` retries
+    the same version number. ``__cause__`` is this rank's own error, where it had one."""
+
+
+class ShardLayoutError(ShardedPublishError, ValueError):
+    """The ranks' shards do not add up to one model: a name held whole by two ranks, slices that
+    overlap or leave a hole in dim 0, or dtype / global shape that differ between ranks."""
+
+
+class RankLostError(ShardedPublishError):
+    """A rank did not reach an exchange within ``ShardedConfig.timeout_s``, or its connection
+    closed (killed, crashed): the version is abandoned and the process group cannot be trusted
+    any more; this publisher refuses further publishes (restart the job)."""

@@ -26,7 +26,13 @@ SIGNATURE_BYTES = 64
 SCHEMA_VERSION = 2
 """What this writer produces. Schema 2 adds per-attempt manifest names (HEAD.manifest,
 Manifest.base_manifest) and non-weight files; schema 1 objects stay readable."""
-READABLE_SCHEMA_VERSIONS = (1, 2)
+PARTS_SCHEMA_VERSION = 3
+"""A manifest with a tensor assembled from parts (``TensorEntry.parts``, written by sharded
+publishers, xcluster/distributed.py) declares schema 3, so that a reader without the per-part
+digest rule refuses it by its schema version instead of by a digest mismatch. HEAD stays at 2."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+MAX_PARTS = 1 << 16
+"""At most this many parts per tensor."""
 MANIFEST_FORMAT = "xcluster-manifest"
 HEAD_FORMAT = "xcluster-head"
 LEASE_FORMAT = "xcluster-lease"
@@ -214,6 +220,10 @@ class TensorEntry:
     shape: tuple[int, ...]
     digest: str
     init: str
+    parts: tuple[int, ...] | None = None
+    """Schema 3: the tensor was hashed in parts of these many elements, in order (at least two,
+    each >= 1, summing to numel); ``digest`` is then the parts digest (digest.py). None: the
+    digest is over the whole tensor."""
 
     @property
     def numel(self) -> int:
@@ -343,8 +353,7 @@ class Manifest:
             "created_unix_ms": self.created_unix_ms,
             "model_digest": self.model_digest,
             "changed_elements": self.changed_elements,
-            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "digest": t.digest,
-                         "init": t.init} for t in self.tensors],
+            "tensors": [_tensor_obj(t) for t in self.tensors],
             "chunks": [{"name": c.name, "size": c.size, "xxh3_128": c.xxh3_128} for c in self.chunks],
             "blocks": [{"chunk": b.chunk, "offset": b.offset, "encoding": b.encoding, "width": b.width,
                         "streams": [[s.codec, s.stored, s.raw] for s in b.streams],
@@ -369,6 +378,14 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.to_obj())
+
+
+def _tensor_obj(t: TensorEntry) -> dict[str, Any]:
+    obj: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "digest": t.digest,
+                           "init": t.init}
+    if t.parts is not None:
+        obj["parts"] = list(t.parts)
+    return obj
 
 
 # --- parsing ---------------------------------------------------------------------------------
@@ -493,7 +510,8 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         init = _str(t, "init", tw, choices=(INIT_BASE, INIT_NONE))
         if kind == KEYFRAME and init != INIT_NONE:
             raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")
-        tensors.append(TensorEntry(name, dtype, tuple(shape), _str(t, "digest", tw, pattern=_HEX128), init))
+        tensors.append(TensorEntry(name, dtype, tuple(shape), _str(t, "digest", tw, pattern=_HEX128), init,
+                                   _parts(t, tw, name, math.prod(shape), schema)))
 
     chunks: list[ChunkEntry] = []
     names: set[str] = set()
@@ -540,6 +558,21 @@ def _parse_prev(p: Any, version: int, where: str) -> ManifestLink | None:
     except UnsafeNameError as exc:
         raise FormatError(f"{pw}: field 'manifest' is invalid: {exc}") from None
     return ManifestLink(pv, name, _str(p, "xxh3_128", pw, pattern=_HEX128))
+
+
+def _parts(t: dict, tw: str, name: str, numel: int, schema: int) -> tuple[int, ...] | None:
+    parts = t.get("parts")
+    if parts is None:
+        return None
+    if schema < PARTS_SCHEMA_VERSION:
+        raise FormatError(f"{tw} ({name}): 'parts' needs schema_version {PARTS_SCHEMA_VERSION}, the manifest "
+                          f"declares {schema}")
+    if (not isinstance(parts, list) or not 2 <= len(parts) <= MAX_PARTS
+            or any(type(c) is not int or not 1 <= c <= MAX_TENSOR_ELEMENTS for c in parts)):
+        raise FormatError(f"{tw} ({name}): 'parts' must be a list of 2 to {MAX_PARTS} element counts >= 1")
+    if sum(parts) != numel:
+        raise FormatError(f"{tw} ({name}): parts add up to {sum(parts)} elements, the tensor has {numel}")
+    return tuple(parts)
 
 
 def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
@@ -686,7 +719,7 @@ class Head:
 
 
 def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
-    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT)
+    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT, versions=(1, 2))
     head = Head(version=_int(obj, "version", where, lo=1), kind=_str(obj, "kind", where, choices=KINDS),
                 keyframe_version=_int(obj, "keyframe_version", where, lo=1),
                 manifest_xxh3_128=_str(obj, "manifest_xxh3_128", where, pattern=_HEX128),

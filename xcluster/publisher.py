@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
-from .codec.encode import CodecConfig, encode_version
+from .codec.encode import CodecConfig, EncodedVersion, encode_version
 from .commit import Committer, LateCommitError
 from .digest import model_digest_from
 from .dtypes import dtype_name
@@ -200,13 +200,7 @@ class Publisher:
                 close_timeout_s=self.config.close_timeout_s, on_commit=lambda r: self.on_commit and self.on_commit(r))
 
     def _run_id(self, head: Head | None) -> str:
-        want = self.config.run_id
-        if head is not None and head.run_id is not None:
-            if want is not None and want != head.run_id:
-                raise ConfigError(f"{self.store.url} holds run {head.run_id!r} (HEAD version {head.version}); this "
-                                  f"publisher was given run_id {want!r}: use a new prefix for a new run")
-            return head.run_id
-        return want or secrets.token_hex(8)
+        return resolve_run_id(self.config.run_id, head, self.store.url)
 
     @property
     def signing_key_id(self) -> str | None:
@@ -386,41 +380,65 @@ class Publisher:
             publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest)
 
     def _keyframe_due(self) -> bool:
-        cfg = self.config
-        if self._since_keyframe + 1 >= cfg.keyframe_every:
-            return True
-        frac = cfg.keyframe_chain_fraction
-        return frac is not None and self._chain_bytes > frac * self._keyframe_bytes
+        return keyframe_due(self.config, since_keyframe=self._since_keyframe, chain_bytes=self._chain_bytes,
+                            keyframe_bytes=self._keyframe_bytes)
 
     def _encode_and_upload(self, version, new, digests, base, written: list[str], tags: dict[str, str],
                            attempt: str):
-        cfg = self.config
-        # Chunk names are unique to this attempt, so a publisher that loses the race for a
-        # version number (or retries one) never overwrites or deletes another attempt's chunks.
-        prefix = f"c{attempt}"
-        slots = threading.BoundedSemaphore(cfg.max_inflight_chunks)
-        futures: list[Future] = []
-        total = 0
+        return encode_and_upload(self.store, self.config, version, new, digests, base, written=written, tags=tags,
+                                 chunk_prefix=f"c{attempt}")
 
-        with ThreadPoolExecutor(max_workers=cfg.upload_workers, thread_name_prefix="xc-upload") as pool:
-            def upload(key: str, data: bytes) -> None:
-                try:
-                    self.store.put(key, data, tags=tags)
-                finally:
-                    slots.release()
 
-            def emit(entry: ChunkEntry, data: bytes) -> None:
-                nonlocal total
-                key = chunk_key(version, entry.name)
-                slots.acquire()
-                written.append(key)
-                total += len(data)
-                futures.append(pool.submit(upload, key, data))
-                for f in futures:  # fail fast if an upload already failed
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
+def keyframe_due(config: PublisherConfig, *, since_keyframe: int, chain_bytes: int, keyframe_bytes: int) -> bool:
+    """The keyframe policy: ``keyframe_every``, or the deltas since the last keyframe outweigh
+    ``keyframe_chain_fraction`` of it."""
+    if since_keyframe + 1 >= config.keyframe_every:
+        return True
+    frac = config.keyframe_chain_fraction
+    return frac is not None and chain_bytes > frac * keyframe_bytes
 
-            encoded = encode_version(new, digests, base, cfg.codec, emit, chunk_prefix=prefix)
-            for f in futures:
-                f.result()
-        return encoded, total
+
+def resolve_run_id(want: str | None, head: Head | None, url: str) -> str:
+    """The run a publisher writes: HEAD's (a different ``want`` is refused), else ``want`` or a new one."""
+    if head is not None and head.run_id is not None:
+        if want is not None and want != head.run_id:
+            raise ConfigError(f"{url} holds run {head.run_id!r} (HEAD version {head.version}); this "
+                              f"publisher was given run_id {want!r}: use a new prefix for a new run")
+        return head.run_id
+    return want or secrets.token_hex(8)
+
+
+def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: Mapping[str, torch.Tensor],
+                      digests: Mapping[str, str], base: Mapping[str, torch.Tensor] | None, *, written: list[str],
+                      tags: dict[str, str], chunk_prefix: str) -> tuple[EncodedVersion, int]:
+    """Encode ``new`` (against ``base``, or as a keyframe) into chunks ``<chunk_prefix>-NNNNNN.xc``
+    of ``version`` and upload them while encoding continues. Every key put (or being put) is
+    appended to ``written``. Returns the encoded version and the chunk bytes uploaded."""
+    # Chunk names are unique to this attempt, so a publisher that loses the race for a
+    # version number (or retries one) never overwrites or deletes another attempt's chunks.
+    slots = threading.BoundedSemaphore(config.max_inflight_chunks)
+    futures: list[Future] = []
+    total = 0
+
+    with ThreadPoolExecutor(max_workers=config.upload_workers, thread_name_prefix="xc-upload") as pool:
+        def upload(key: str, data: bytes) -> None:
+            try:
+                store.put(key, data, tags=tags)
+            finally:
+                slots.release()
+
+        def emit(entry: ChunkEntry, data: bytes) -> None:
+            nonlocal total
+            key = chunk_key(version, entry.name)
+            slots.acquire()
+            written.append(key)
+            total += len(data)
+            futures.append(pool.submit(upload, key, data))
+            for f in futures:  # fail fast if an upload already failed
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+
+        encoded = encode_version(new, digests, base, config.codec, emit, chunk_prefix=chunk_prefix)
+        for f in futures:
+            f.result()
+    return encoded, total

@@ -24,7 +24,7 @@ import torch
 
 from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, walk_links
 from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
-from .digest import model_digest_from, tensor_digest
+from .digest import entry_digest, model_digest_from
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
@@ -240,7 +240,7 @@ class Subscriber:
                                           f"manifest says {t.dtype}{t.shape}")
             tensors[t.name] = cur.detach().contiguous()
         with ThreadPoolExecutor(max_workers=self.config.decode_workers) as pool:
-            got = dict(zip(tensors, pool.map(tensor_digest, tensors.values())))
+            got = dict(zip(tensors, pool.map(lambda t: entry_digest(tensors[t.name], t.parts), m.tensors)))
         for t in m.tensors:
             if got[t.name] != t.digest:
                 raise DigestMismatchError(f"{where}: {t.name} hashes to {got[t.name]}, the manifest says {t.digest}")
@@ -507,17 +507,17 @@ class Subscriber:
                 for i, t in enumerate(m.tensors):
                     if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
                         raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")
-                # verify: hash what changed; what did not change keeps the digest we verified before
-                idx = sorted(touched | {i for i, t in enumerate(m.tensors) if t.init != INIT_BASE})
-                hashed = _run_all(pool, lambda k: tensor_digest(target[idx[k]]), len(idx))
+                # verify: hash what changed; what did not change keeps the digest we verified before,
+                # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
+                idx = sorted(touched | {i for i, t in enumerate(m.tensors)
+                                        if t.init != INIT_BASE or digests.get(t.name) != t.digest})
+                hashed = _run_all(pool, lambda k: entry_digest(target[idx[k]], m.tensors[idx[k]].parts), len(idx))
                 for i, got in zip(idx, hashed):
                     if got != m.tensors[i].digest:
-                        raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} after applying, "
+                        changed = "after applying" if i in touched or m.tensors[i].init != INIT_BASE else \
+                            "unchanged from the verified base"
+                        raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} ({changed}), "
                                                   f"the manifest says {m.tensors[i].digest}")
-                for i, t in enumerate(m.tensors):
-                    if i not in touched and t.init == INIT_BASE and digests.get(t.name) != t.digest:
-                        raise DigestMismatchError(f"{where}: {t.name} is unchanged but the manifest's digest "
-                                                  "differs from the verified base")
                 got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
                 if got != m.model_digest:
                     raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
