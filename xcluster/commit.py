@@ -23,11 +23,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .chain import read_head
 from .errors import ConcurrentPublisherError, PreconditionFailedError, XclusterError
-from .format import HEAD_KEY, Head, manifest_key, xxh3_128
+from .format import HEAD_KEY, Head, Manifest, manifest_key, parse_manifest, xxh3_128
 from .store import Store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,20 @@ class LateCommitError(XclusterError):
     """HEAD moved to one of this writer's own earlier attempts, whose HEAD write had failed
     without a verdict and landed later. That version is committed; the writer re-reads HEAD and
     publishes the next version as a keyframe (its base is unknown)."""
+
+
+def seal(manifest: Manifest, manifest_name: str, *, committed_unix_ms: int, run_id: str | None,
+         signer: Signer | None, where: str) -> tuple[bytes, Head]:
+    """The bytes of ``manifest`` (signed when a signer is given), checked to be what a reader
+    takes, and the HEAD that names them (signed too): what :meth:`Committer.commit` writes."""
+    if signer is not None:
+        manifest = signer.sign(manifest)
+    data = manifest.to_bytes()
+    parse_manifest(data, where=where)  # never commit what no reader takes
+    head = Head(version=manifest.version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
+                manifest_xxh3_128=xxh3_128(data), committed_unix_ms=committed_unix_ms, manifest=manifest_name,
+                run_id=run_id)
+    return data, head if signer is None else signer.sign(head)
 
 
 @dataclass(frozen=True, slots=True)

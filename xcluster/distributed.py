@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 
 from .codec.encode import apply_update
-from .commit import Committer
+from .commit import Committer, seal
 from .digest import combine_part_digests, model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, RankLostError, ShardedPublishError, ShardLayoutError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, PARTS_SCHEMA_VERSION, SCHEMA_VERSION, BlockEntry, ChunkEntry, Head,
-                     Manifest, ManifestLink, Segment, StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key,
-                     manifest_name_for, parse_manifest, xxh3_128)
+from .format import (DELTA, KEYFRAME, KIND_TAG, PARTS_SCHEMA_VERSION, SCHEMA_VERSION, BlockEntry, ChunkEntry,
+                     Manifest, ManifestLink, Segment, StreamEntry, TensorEntry, canonical_json, check_tensor_name,
+                     manifest_key, manifest_name_for)
 from .publisher import (MAX_STEP, PublisherConfig, encode_and_upload, keyframe_due, prepare_state,
                         resolve_run_id)
 from .retention import gc
@@ -356,17 +356,10 @@ class ShardedPublisher:
             file_bytes = self._files.upload()
             manifest = self._assemble(parts, version, is_key, attempt, step)
             mname = manifest_name_for(attempt)
-            if self._signer is not None:
-                manifest = self._signer.sign(manifest)
-            mbytes = manifest.to_bytes()
-            parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version, mname)}")  # never commit what no reader takes
-            mhash = xxh3_128(mbytes)
             committed = self._clock()
-            head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
-                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000), manifest=mname,
-                        run_id=self.run_id)
-            if self._signer is not None:
-                head = self._signer.sign(head)
+            mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
+                                signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
+            mhash = head.manifest_xxh3_128
             manifest_attempted = True
             outcome = c.commit(head, mbytes, tags={KIND_TAG: manifest.kind})
         except Exception as exc:  # noqa: BLE001 - every rank raises it

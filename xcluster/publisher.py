@@ -24,13 +24,13 @@ import torch
 
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
 from .codec.encode import CodecConfig, EncodedVersion, encode_version
-from .commit import Committer, LateCommitError
+from .commit import Committer, LateCommitError, seal
 from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
-                     check_tensor_name, chunk_key, manifest_key, manifest_name_for, parse_manifest, xxh3_128)
+                     check_tensor_name, chunk_key, manifest_key, manifest_name_for)
 from .retention import RetentionConfig, gc
 from .signing import load_signer
 from .store import Store, resolve_store
@@ -328,17 +328,10 @@ class Publisher:
                 changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id,
                 prev_manifest=None if c.head is None else ManifestLink(
                     c.head.version, c.head.manifest, c.head.manifest_xxh3_128))
-            if self._signer is not None:
-                manifest = self._signer.sign(manifest)
-            mbytes = manifest.to_bytes()
-            parse_manifest(mbytes, where=f"{self.store.url}/{manifest_key(version, mname)}")  # never commit what no reader takes
-            mhash = xxh3_128(mbytes)
             committed = self._clock()
-            head = Head(version=version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
-                        manifest_xxh3_128=mhash, committed_unix_ms=int(committed * 1000), manifest=mname,
-                        run_id=self.run_id)
-            if self._signer is not None:
-                head = self._signer.sign(head)
+            mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
+                                signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
+            mhash = head.manifest_xxh3_128
             manifest_attempted = True
             outcome = c.commit(head, mbytes, tags=tags)
         except BaseException:

@@ -145,7 +145,7 @@ def test_relays_chain_and_a_late_destination_jumps_to_the_keyframe(tmp_path):
 def test_signatures_travel_verbatim_and_a_trusting_relay_refuses_unsigned(tmp_path):
     src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
     priv, pub_key, _ = generate_keypair(tmp_path / "k")
-    pub = publish(src, range(2), signing_key=str(priv))
+    publish(src, range(2), signing_key=str(priv))
     relay(src, dst, trusted_keys=(str(pub_key),))
     trusting = Subscriber(store=dst, config=SubscriberConfig(trusted_keys=(str(pub_key),)))
     assert trusting.sync() == 2
