@@ -5,18 +5,16 @@ side is tested without torch.distributed; tests/unit/test_distributed.py covers 
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
-
 import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.digest import combine_part_digests, entry_digest, model_digest_from, tensor_digest
 from xcluster.errors import DigestMismatchError, FormatError, SchemaVersionError
-from xcluster.format import HEAD_KEY, parse_head, parse_manifest, xxh3_128
+from xcluster.format import parse_manifest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal, mkey
+from tests.unit.test_bad_input import rewrite_manifest as rewrite
 
 
 def states() -> list[dict[str, torch.Tensor]]:
@@ -28,13 +26,6 @@ def states() -> list[dict[str, torch.Tensor]]:
     return [{"w": w, "b": b}, {"w": w2, "b": b.clone()}]  # "b" unchanged in version 2
 
 
-def rewrite(store, version: int, mutate) -> None:
-    obj = json.loads(store.get(mkey(store, version)).data)
-    mutate(obj)
-    data = json.dumps(obj).encode()
-    store.put(mkey(store, version), data)
-    head = parse_head(store.get(HEAD_KEY).data)
-    store.put(HEAD_KEY, replace(head, manifest_xxh3_128=xxh3_128(data)).to_bytes())
 
 
 def with_parts(state, name: str, parts: list[int], *, digest: str | None = None, schema: int = 3):
