@@ -345,7 +345,7 @@ class Publisher:
         # committed: advance our view and bring the private base up to date
         delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
         if is_key or on_device:
-            owned = host_new if on_device else {n: t.clone() for n, t in new.items()}
+            owned = host_new if on_device else _copy_into(self._base, new)
             self._base = BaseCopy.of(new, owned, {e.name: e.digest for e in encoded.tensors},
                                      on_device=on_device and cfg.base_on == "device", reuse=self._base)
         else:
@@ -380,6 +380,19 @@ class Publisher:
                            attempt: str):
         return encode_and_upload(self.store, self.config, version, new, digests, base, written=written, tags=tags,
                                  chunk_prefix=f"c{attempt}")
+
+
+def _copy_into(old: BaseCopy | None, new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A private copy of ``new`` (just committed), written into the old base's host buffers where
+    name, dtype and shape match: a keyframe then never holds the old base, the new one and the
+    caller's weights at once."""
+    buffers = old.host if old is not None else {}
+    out = {}
+    for name, t in new.items():
+        buf = buffers.get(name)
+        ok = buf is not None and buf.dtype == t.dtype and buf.shape == t.shape and buf.data_ptr() != t.data_ptr()
+        out[name] = buf.copy_(t) if ok else t.clone()
+    return out
 
 
 def keyframe_due(config: PublisherConfig, *, since_keyframe: int, chain_bytes: int, keyframe_bytes: int) -> bool:

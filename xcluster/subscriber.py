@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
                      RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
 from .fsutil import write_atomic
-from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, check_run_id, chunk_key,
+from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, PLANES, Head, Manifest, TensorEntry, check_run_id, chunk_key,
                      parse_manifest, xxh3_128)
 from .signing import load_verifier
 from .store import Store, resolve_store
@@ -410,9 +411,50 @@ class Subscriber:
         assert err is not None
         raise err
 
-    def _fetch_all(self, m: Manifest, mhash: str) -> list[bytes]:
-        with ThreadPoolExecutor(max_workers=self.config.fetch_workers, thread_name_prefix="xc-fetch") as pool:
-            return _run_all(pool, lambda i: self._fetch_chunk(m, mhash, i), len(m.chunks))
+    def _stream_fresh(self, m: Manifest, mhash: str, where: str) -> tuple[dict[int, torch.Tensor], dict[int, bytes]]:
+        """Fetch and verify every chunk, at most ``fetch_workers`` at a time, and fill the tensors
+        that start empty (``init: none``: a keyframe's, or new ones) from their ``planes`` blocks
+        as each chunk arrives; a chunk is dropped once used. No lock is taken: nothing held is
+        touched. Returns those tensors by index and the chunks still needed by patches of held
+        tensors (``-sub`` blocks, applied under the lock). So a keyframe costs the new weights
+        plus a few chunks, never every chunk of the version at once."""
+        fresh = {i: _alloc(t, where) for i, t in enumerate(m.tensors) if t.init != INIT_BASE}
+        fills: dict[int, list[int]] = {}
+        keep: set[int] = set()
+        for bi, b in enumerate(m.blocks):
+            if b.encoding == PLANES:
+                fills.setdefault(b.chunk, []).append(bi)
+            else:
+                keep.add(b.chunk)
+        kept: dict[int, bytes] = {}
+        window = self.config.fetch_workers
+        pending: deque[tuple[int, Future]] = deque()
+        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="xc-fetch") as fetch, \
+                ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as dec:
+            try:
+                nxt = 0
+                while nxt < len(m.chunks) or pending:
+                    while nxt < len(m.chunks) and len(pending) < window:
+                        pending.append((nxt, fetch.submit(self._fetch_chunk, m, mhash, nxt)))
+                        nxt += 1
+                    ci, fut = pending.popleft()
+                    data = fut.result()
+                    blocks = fills.get(ci, ())
+                    _run_all(dec, lambda k: self._fill(m, blocks[k], data, fresh, where), len(blocks))
+                    if ci in keep:
+                        kept[ci] = data
+                    del data
+            finally:
+                for _, fut in pending:  # after a failure or an interrupt: start no more fetches
+                    fut.cancel()
+        return fresh, kept
+
+    @staticmethod
+    def _fill(m: Manifest, bi: int, data: bytes, fresh: dict[int, torch.Tensor], where: str) -> None:
+        b = m.blocks[bi]
+        for op in decode_block(b, data, m.tensors, where=f"{where} block {bi}"):
+            assert isinstance(op, Fill)
+            fill(fresh[op.tensor], op)
 
     def prune_chunk_cache(self) -> None:
         """Drop cached chunks of versions up to the one held (they were applied)."""
@@ -430,11 +472,12 @@ class Subscriber:
         m, mhash = lm.manifest, lm.link.xxh3_128
         where = f"{self.store.url}/{lm.link.key}"
         self._check_limits(m, where)
-        chunks = self._fetch_all(m, mhash)
+        fresh, chunks = self._stream_fresh(m, mhash, where)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
-            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, where, lm.data))
+            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, lm.data))
         chunks.clear()  # free the compressed bytes now
+        fresh.clear()
         self.stats.versions_applied += 1
         self.prune_chunk_cache()
         t2 = time.perf_counter()
@@ -463,9 +506,11 @@ class Subscriber:
                 raise ResourceLimitError(f"{where}: block {bi} ({b.encoding}) needs {need} bytes to decode, more than "
                                          f"max_block_bytes ({cfg.max_block_bytes})")
 
-    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: list[bytes], where: str, data: bytes) -> None:
-        """Decode and apply ``m`` onto what is held, verify, and swap; on any failure or
-        interrupt every patch is undone, after every worker has stopped."""
+    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
+                          where: str, data: bytes) -> None:
+        """Patch ``m``'s ``-sub`` blocks onto what is held (its ``planes`` blocks already filled
+        ``fresh``), verify, and swap; on any failure or interrupt every patch is undone, after
+        every worker has stopped."""
         held = self._held
         is_key = m.kind == KEYFRAME
         if not is_key and (held is None or m.base_version != held.version
@@ -483,8 +528,9 @@ class Subscriber:
                                             "subscriber's tensor differs in name, dtype or shape")
                 target.append(cur)
             else:
-                target.append(_alloc(t, where))
+                target.append(fresh[len(target)])
         applied: list[tuple[torch.Tensor, Patch]] = []
+        patches = [bi for bi, b in enumerate(m.blocks) if b.encoding != PLANES]
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
 
@@ -503,7 +549,7 @@ class Subscriber:
         ok = False
         with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
             try:
-                _run_all(pool, run_block, len(m.blocks))
+                _run_all(pool, lambda k: run_block(patches[k]), len(patches))
                 for i, t in enumerate(m.tensors):
                     if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
                         raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")

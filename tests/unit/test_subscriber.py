@@ -217,3 +217,39 @@ def test_chunk_cache_survives_a_failed_apply_and_is_pruned(tmp_path):
     assert not any(c[0] == "get_range" and c[1].endswith(".xc") for c in counting.calls)
     assert not any(cache.rglob("*.xc"))  # applied: pruned
     del orig
+
+
+def test_a_keyframe_is_applied_chunk_by_chunk_with_bounded_chunks_in_memory(tmp_path):
+    """Issue 10 §3: fetch, verify, decode, release — at most about ``fetch_workers`` chunks of a
+    keyframe are alive at once, never every chunk of the version."""
+    import threading
+
+    from xcluster import CodecConfig
+    from xcluster.store import LocalStore
+
+    live, peak, lock = [0], [0], threading.Lock()
+
+    class Tracked(bytes):
+        def __del__(self):
+            with lock:
+                live[0] -= 1
+
+    class Counting(LocalStore):
+        def get_range(self, key, start, length):
+            data = super().get_range(key, start, length)
+            if not key.endswith(".xc"):
+                return data
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            return Tracked(data)
+
+    store = Counting(tmp_path / "s")
+    sd = {f"t{i}": torch.randn(64, 64).to(torch.bfloat16) for i in range(24)}
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(block_bytes=4096, chunk_bytes=4096))).publish(sd)
+    chunks = sum(1 for k in store.list("versions/") if k.endswith(".xc"))
+    assert chunks >= 16
+    sub = Subscriber(store=store, config=SubscriberConfig(fetch_workers=2, decode_workers=1))
+    assert sub.sync() == 1
+    assert_state_equal(sub.state_dict(), sd)
+    assert 1 <= peak[0] <= 4, f"{peak[0]} of {chunks} chunks were held at once"
