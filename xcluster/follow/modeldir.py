@@ -168,7 +168,10 @@ class ModelDir:
                 weight_map[name] = shard_name
                 total += tensors[name].nbytes
             try:
-                save_file(tensors, str(tmp / shard_name), metadata={"format": "pt"})
+                if all(t.dtype in _ST_DTYPES for t in tensors.values()):
+                    _stream_safetensors(tmp / shard_name, tensors, {"format": "pt"})
+                else:  # a dtype this writer does not name: safetensors' own (it copies each tensor)
+                    save_file(tensors, str(tmp / shard_name), metadata={"format": "pt"})
             except Exception as exc:  # safetensors raises plain ValueError/RuntimeError
                 raise ModelDirError(f"writing {tmp / shard_name} failed: {exc}") from exc
             fsync_path(tmp / shard_name)
@@ -352,6 +355,35 @@ def _plan_shards(sized: list[tuple[str, int]], limit: int) -> list[list[str]]:
         shards[-1].append(name)
         used += size
     return shards
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+              torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _stream_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file straight from the tensors' memory (``safetensors.torch.save_file``
+    first turns every tensor into a bytes copy: a whole shard more in RAM). The format: an 8-byte
+    little-endian header length, the JSON header (padded with spaces to a multiple of 8), then
+    each tensor's bytes back to back in header order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in names:
+            t = tensors[name]
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _plain_copy(t: torch.Tensor, seen_storage: set[int]) -> torch.Tensor:
