@@ -8,6 +8,10 @@ bits, zstd level 1, one frame per changed tensor).
 
     .venv/bin/python bench/codec.py            # ~128 MiB of bf16 weights
     .venv/bin/python bench/codec.py --scale 0.25
+    .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 (sparse-exp) per step
+
+No real pretrained weights: no small pretrained model ships inside a PyPI package that this
+machine could load offline, so the workload is the synthetic Adam run below.
 """
 
 from __future__ import annotations
@@ -82,9 +86,9 @@ def slime_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> i
     return total
 
 
-def measure(old, new, *, repeat: int = 3) -> dict:
+def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dict:
     digests = {n: tensor_digest(t) for n, t in new.items()}
-    cfg = CodecConfig()
+    cfg = cfg or CodecConfig()
     best = float("inf")
     for _ in range(repeat):  # codec alone: scan + transform + compress
         t0 = time.perf_counter()
@@ -92,7 +96,7 @@ def measure(old, new, *, repeat: int = 3) -> dict:
         best = min(best, time.perf_counter() - t0)
     url = f"memory://bench-{uuid.uuid4().hex}"
     store = open_store(url)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000, codec=cfg))
     subs = [Subscriber(store=store) for _ in range(repeat)]
     pub.publish(old, step=0)
     for sub in subs:
@@ -113,10 +117,67 @@ def measure(old, new, *, repeat: int = 3) -> dict:
                 apply_mbps=model_bytes / apply_s / 1e6)
 
 
+V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True)
+
+
+def run_bits(master, lr: float, steps: int) -> None:
+    """Bits per changed element of a whole run, every byte counted (chunks, manifest, HEAD): v1,
+    v2 and the slime-style baseline, per step."""
+    pubs = {name: Publisher(store=open_store(f"memory://bench-{uuid.uuid4().hex}"),
+                            config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None, codec=cfg))
+            for name, cfg in (("v1", V1), ("v2", V2))}
+    print(f"Adam lr={lr:g}, {steps} steps, bf16 published after each step")
+    print("| step | changed | v1 bits/ch | v2 bits/ch | slime bits/ch | v2/v1 |")
+    print("|---|---|---|---|---|---|")
+    tot = {"v1": 0, "v2": 0, "slime": 0, "changed": 0}
+    early = {"v1": 0, "v2": 0, "changed": 0}
+    prev = None
+    for s, cur in enumerate(adam_steps(master, lr, steps)):
+        res = {name: pub.publish(cur, step=s) for name, pub in pubs.items()}
+        if prev is not None:
+            ch = res["v1"].changed_elements
+            sl = slime_bytes(prev, cur)
+            b = {k: r.bytes_written for k, r in res.items()}
+            print(f"| {s} | {ch / res['v1'].total_elements:.3%} | {8 * b['v1'] / ch:.2f} | {8 * b['v2'] / ch:.2f} "
+                  f"| {8 * sl / ch:.2f} | {b['v2'] / b['v1']:.3f} |")
+            for k, v in (("v1", b["v1"]), ("v2", b["v2"]), ("slime", sl), ("changed", ch)):
+                tot[k] += v
+                if s <= 5 and k != "slime":
+                    early[k] += v
+        prev = cur
+    print(f"| 1-{steps} | | {8 * tot['v1'] / tot['changed']:.2f} | {8 * tot['v2'] / tot['changed']:.2f} "
+          f"| {8 * tot['slime'] / tot['changed']:.2f} | {tot['v2'] / tot['v1']:.3f} |")
+    print(f"| 1-5 | | {8 * early['v1'] / early['changed']:.2f} | {8 * early['v2'] / early['changed']:.2f} | | |")
+
+
+def run_speed(base) -> None:
+    """Encode and apply speed at fixed densities, v1 and v2 side by side in one run."""
+    print("| density | codec | bits/changed | encode MB/s | apply MB/s |")
+    print("|---|---|---|---|---|")
+    for density in (0.001, 0.01):
+        new = at_density(base, density)
+        rows = {name: measure(base, new, cfg=cfg) for name, cfg in (("v1", V1), ("v2", V2))}
+        for name, r in rows.items():
+            print(f"| {density:.1%} | {name} | {8 * r['bytes'] / max(r['changed'], 1):.2f} | {r['encode_mbps']:,.0f} "
+                  f"| {r['apply_mbps']:,.0f} |")
+        print(f"| {density:.1%} | v2/v1 | | {rows['v2']['encode_mbps'] / rows['v1']['encode_mbps']:.2f}× "
+              f"| {rows['v2']['apply_mbps'] / rows['v1']['apply_mbps']:.2f}× |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="model size factor (1.0 ≈ 64M params)")
+    ap.add_argument("--v2", action="store_true", help="codec v1 vs v2: bits per step of an Adam run, and speed")
+    ap.add_argument("--steps", type=int, default=24, help="steps of the --v2 run")
+    ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of the --v2 run")
     args = ap.parse_args()
+    if args.v2:
+        torch.manual_seed(0)
+        master = make_master(args.scale)
+        print(f"torch threads {torch.get_num_threads()}")
+        run_bits(master, args.lr, args.steps)
+        run_speed({n: t.to(torch.bfloat16) for n, t in master.items()})
+        return
     torch.manual_seed(0)
     master = make_master(args.scale)
     rows = []

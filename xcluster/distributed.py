@@ -47,9 +47,9 @@ from .digest import combine_part_digests, model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, RankLostError, ShardedPublishError, ShardLayoutError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, PARTS_SCHEMA_VERSION, SCHEMA_VERSION, BlockEntry, ChunkEntry,
-                     Manifest, ManifestLink, Segment, StreamEntry, TensorEntry, canonical_json, check_tensor_name,
-                     manifest_key, manifest_name_for)
+from .format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifest, ManifestLink, Segment,
+                     StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key, manifest_name_for,
+                     schema_for)
 from .publisher import (MAX_STEP, PublisherConfig, encode_and_upload, keyframe_due, prepare_state,
                         resolve_run_id)
 from .retention import gc
@@ -436,7 +436,7 @@ class ShardedPublisher:
             changed_elements=sum(p["changed"] for p in parts), files=self._files.entries, run_id=self.run_id,
             prev_manifest=None if c.head is None else ManifestLink(c.head.version, c.head.manifest,
                                                                    c.head.manifest_xxh3_128),
-            schema_version=PARTS_SCHEMA_VERSION if any(t.parts for t in tensors) else SCHEMA_VERSION)
+            schema_version=schema_for(tensors, blocks))
 
 
 def _count(entry: dict, offset: int) -> int:

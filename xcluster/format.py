@@ -30,7 +30,11 @@ PARTS_SCHEMA_VERSION = 3
 """A manifest with a tensor assembled from parts (``TensorEntry.parts``, written by sharded
 publishers, xcluster/distributed.py) declares schema 3, so that a reader without the per-part
 digest rule refuses it by its schema version instead of by a digest mismatch. HEAD stays at 2."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+EXP_SCHEMA_VERSION = 4
+"""A manifest with a ``sparse-exp`` block declares schema 4 (schema 3 plus that encoding), so that
+a reader without it refuses the version by its schema version, with an "upgrade" message, before
+fetching anything. HEAD stays at 2."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 MAX_PARTS = 1 << 16
 """At most this many parts per tensor."""
 MANIFEST_FORMAT = "xcluster-manifest"
@@ -46,7 +50,12 @@ KINDS = (KEYFRAME, DELTA)
 PLANES = "planes"          # full values: byte planes of the raw bits
 SPARSE_SUB = "sparse-sub"  # changed positions (gap planes) + zigzag(new-old) byte planes
 DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in range
-ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB)
+SPARSE_EXP = "sparse-exp"  # changed positions per exponent group of the base (Rice) + packed values
+ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP)
+EXP_GROUP_BITS = {"bfloat16": 8, "float16": 5, "float32": 8, "float8_e4m3fn": 4, "float8_e4m3fnuz": 4,
+                  "float8_e5m2": 5, "float8_e5m2fnuz": 5}
+"""dtypes with a ``sparse-exp`` encoding and the width of their exponent field (2**bits groups)."""
+EXP_STREAMS = 6
 GAP_WIDTH = 4              # gaps are uint32, 4 byte planes
 
 INIT_BASE = "base"  # tensor starts from the base version's tensor of the same name
@@ -279,13 +288,33 @@ class BlockEntry:
         return sum(s.stored for s in self.streams)
 
 
-def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...] | list[Segment]) -> list[int]:
-    """The decoded length of each stream of a block, derived from its segments."""
+def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...] | list[Segment],
+                         groups: tuple[int, ...] | list[int] = ()) -> list[int]:
+    """The decoded length of each stream of a block, derived from its segments; for
+    ``sparse-exp`` (``groups``: the number of exponent groups of each segment's dtype) the exact
+    length of the streams the segments fix and an upper bound of the others (FORMAT.md §5), which
+    the decoder makes exact from the block's own side information."""
     elems = sum(s.count for s in segments)
     nnz = sum(s.nnz for s in segments)
     if encoding == PLANES or encoding == DENSE_SUB:
         return [elems] * width
+    if encoding == SPARSE_EXP:
+        bitmaps = sum((s.nnz + 7) // 8 for s in segments)
+        return [4 * sum(groups), sum((s.count + 7) // 8 for s in segments),
+                sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps, bitmaps, width * nnz]
     return [nnz] * GAP_WIDTH + [nnz] * width
+
+
+EXP_EXACT = (True, False, False, True, True, False)
+"""Which ``sparse-exp`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
+
+
+def schema_for(tensors, blocks) -> int:
+    """The schema a writer declares for a manifest of these tensors and blocks: 4 with a
+    ``sparse-exp`` block, else 3 with a tensor in parts, else 2."""
+    if any(b.encoding == SPARSE_EXP for b in blocks):
+        return EXP_SCHEMA_VERSION
+    return PARTS_SCHEMA_VERSION if any(t.parts for t in tensors) else SCHEMA_VERSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,6 +557,9 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))
 
     blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
+    if schema < EXP_SCHEMA_VERSION and any(b.encoding == SPARSE_EXP for b in blocks):
+        raise FormatError(f"{where}: a sparse-exp block needs schema_version {EXP_SCHEMA_VERSION}, the manifest "
+                          f"declares {schema}")
     _check_coverage(where, tensors, blocks)
     _check_tiling(where, chunks, blocks)
     changed = _int(obj, "changed_elements", where)
@@ -607,11 +639,14 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                               f"{te.name} ({te.numel} elements)")
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
-        if encoding == SPARSE_SUB:
+        if encoding == SPARSE_EXP and te.dtype not in EXP_GROUP_BITS:
+            raise FormatError(f"{bw}: sparse-exp segment on {te.name} ({te.dtype}): that dtype has no exponent "
+                              "groups")
+        if encoding in (SPARSE_SUB, SPARSE_EXP):
             # sparse past half the elements is never smaller than dense-sub (writers switch at
             # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
             if not 0 < 2 * nnz <= count:
-                raise FormatError(f"{bw}: sparse-sub segment of {te.name} has nnz {nnz} outside (0, {count // 2}] "
+                raise FormatError(f"{bw}: {encoding} segment of {te.name} has nnz {nnz} outside (0, {count // 2}] "
                                   f"(half its count {count}): such ranges are carried as dense-sub")
         elif nnz != count:
             raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
@@ -620,14 +655,16 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
         segments.append(Segment(t, start, count, nnz))
     if not segments:
         raise FormatError(f"{bw}: a block has at least one segment")
-    expected = expected_raw_lengths(encoding, width, segments)
+    groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if encoding == SPARSE_EXP else []
+    expected = expected_raw_lengths(encoding, width, segments, groups)
+    exact = EXP_EXACT if encoding == SPARSE_EXP else (True,) * len(expected)
     if len(streams) != len(expected):
         raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
     for k, (s, e) in enumerate(zip(streams, expected)):
         if s.raw > e:
             raise DecompressionBombError(
                 f"{bw}: stream {k} declares {s.raw} decoded bytes but its segments hold only {e}")
-        if s.raw != e:
+        if s.raw != e and exact[k]:
             raise FormatError(f"{bw}: stream {k} declares {s.raw} decoded bytes, its segments need {e}")
         if s.codec == "raw" and s.stored != s.raw:
             raise FormatError(f"{bw}: raw stream {k} stores {s.stored} bytes for {s.raw}")

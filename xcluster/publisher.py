@@ -30,7 +30,7 @@ from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
-                     check_tensor_name, chunk_key, manifest_key, manifest_name_for)
+                     check_tensor_name, chunk_key, manifest_key, manifest_name_for, schema_for)
 from .retention import RetentionConfig, gc
 from .signing import load_signer
 from .store import Store, resolve_store
@@ -327,7 +327,8 @@ class Publisher:
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
                 changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id,
                 prev_manifest=None if c.head is None else ManifestLink(
-                    c.head.version, c.head.manifest, c.head.manifest_xxh3_128))
+                    c.head.version, c.head.manifest, c.head.manifest_xxh3_128),
+                schema_version=schema_for(encoded.tensors, encoded.blocks))
             committed = self._clock()
             mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
                                 signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, walk_links
-from .codec.decode import Fill, Patch, block_memory, decode_block, fill, patch
+from .codec.decode import Fill, Patch, Scatter, block_memory, decode_block, fill, patch
 from .digest import entry_digest, model_digest_from
 from .dtypes import dtype_name, np_bits, torch_dtype
 from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
@@ -529,14 +529,14 @@ class Subscriber:
                 target.append(cur)
             else:
                 target.append(fresh[len(target)])
-        applied: list[tuple[torch.Tensor, Patch]] = []
+        applied: list[tuple[torch.Tensor, Patch | Scatter]] = []
         patches = [bi for bi, b in enumerate(m.blocks) if b.encoding != PLANES]
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
 
         def run_block(bi: int) -> None:
             b = m.blocks[bi]
-            ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}")
+            ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}", base=target)
             for op in ops:  # decoded and bounds-checked whole before any of it is applied
                 tgt = target[op.tensor]
                 if isinstance(op, Fill):

@@ -212,7 +212,8 @@ def check_versions(store, want: dict[int, tuple[int, dict[str, list[int]]]], *, 
         assert sub.model_digest == model_digest(full, parts=parts)
         m = sub.manifest
         assert {t.name: list(t.parts) for t in m.tensors if t.parts} == parts
-        assert m.schema_version == (3 if parts else 2)
+        exp = any(b.encoding == "sparse-exp" for b in m.blocks)  # codec v2: schema 4 (schema 3 plus sparse-exp)
+        assert m.schema_version == (4 if exp else 3 if parts else 2)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from xcluster.chain import find_link, read_head
 from xcluster.codec.decode import Fill, decode_block, fill, patch
 from xcluster.dtypes import torch_dtype
 from xcluster.errors import DecodeError, XclusterError
-from xcluster.format import (DENSE_SUB, HEAD_KEY, PLANES, SPARSE_SUB, Lease, chunk_key, expected_raw_lengths,
+from xcluster.format import (DENSE_SUB, HEAD_KEY, PLANES, SPARSE_EXP, SPARSE_SUB, Lease, chunk_key, expected_raw_lengths,
                              parse_head, parse_lease, parse_manifest, xxh3_128)
 from tests.unit.helpers import memory_store
 
@@ -65,7 +65,7 @@ def written() -> Written:
     store = memory_store()
     pub = Publisher(store=store, config=PublisherConfig(
         keyframe_every=100, keyframe_chain_fraction=None,
-        codec=CodecConfig(block_bytes=4096, chunk_bytes=8192, dense_threshold=0.3)))
+        codec=CodecConfig(block_bytes=4096, chunk_bytes=8192, dense_threshold=0.3, exp_groups=True)))
     pub.publish(_state(0))
     pub.publish(_state(1))
     head, _ = read_head(store)
@@ -80,7 +80,7 @@ def written() -> Written:
 def test_written_objects_hold_every_encoding_and_width():
     w = written()
     kinds = {(b.encoding, b.width) for v in (1, 2) for b in parse_manifest(w.manifests[v]).blocks}
-    assert {e for e, _ in kinds} == {PLANES, SPARSE_SUB, DENSE_SUB}
+    assert {e for e, _ in kinds} == {PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP}  # the fuzzers reach every decoder
     assert {wd for e, wd in kinds if e == PLANES} == {1, 2, 4, 8}
     assert any(b.streams[0].codec == "zstd" for b in parse_manifest(w.manifests[2]).blocks)
 

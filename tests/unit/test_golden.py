@@ -3,6 +3,7 @@ and the checked-in objects stay readable."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,8 @@ from tests.unit.helpers import assert_state_equal
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
 GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
+GOLDEN_V4 = Path(__file__).parent.parent / "golden" / "v4" / "store"
+"""Schema 4: sparse-exp blocks (codec v2), with the same v1 encodings where they are smaller."""
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
 so the signed golden objects pin the signature bytes too."""
@@ -36,13 +39,66 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
 
 
 def write(root: Path) -> None:
+    """The schema 2 store: the v1 encodings only (``exp_groups=False``)."""
     pub = Publisher(store=LocalStore(root, fsync=False),
-                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096),
+                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
+                                                                                 exp_groups=False),
                                            run_id="golden", signing_key=str(GOLDEN_KEY)),
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
                     files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
         pub.publish(sd, step=i, keyframe=True if i == 2 else None)  # v3: a keyframe, linked by prev_manifest
+
+
+def _bits(n: int, seed: int) -> list[int]:
+    """A fixed pseudo-random sequence (a 32-bit LCG), the same on every platform and torch."""
+    out, x = [], seed
+    for _ in range(n):
+        x = (x * 1664525 + 1013904223) % (1 << 32)
+        out.append(x)
+    return out
+
+
+def golden_versions_v4() -> list[dict[str, torch.Tensor]]:
+    """bf16, fp16, fp32 and fp8 weights of many exponents; each step moves elements by ±1 ulp
+    (and a few by more) with a probability that doubles per exponent step down, as an optimizer
+    step does: the sparse-exp workload."""
+    def weights(dtype: torch.dtype, width: int, exp_shift: int, exp_lo: int, exp_n: int, n: int, seed: int):
+        r = _bits(n, seed)
+        raw = [((x >> 31) << (8 * width - 1)) | ((exp_lo + (x >> 8) % exp_n) << exp_shift)
+               | (x & ((1 << exp_shift) - 1)) for x in r]
+        return torch.tensor(raw, dtype=torch.int64).to(torch.int32 if width == 4 else torch.int16 if width == 2
+                                                       else torch.uint8).view(dtype)
+
+    def step(t: torch.Tensor, width: int, exp_shift: int, exp_hi: int, seed: int) -> torch.Tensor:
+        new = t.clone()
+        bits = new.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[width]).reshape(-1)
+        for i, x in enumerate(_bits(bits.numel(), seed)):
+            e = (int(bits[i]) & ((1 << (8 * width - 1)) - 1)) >> exp_shift
+            if x % 4096 < 4096 >> max(0, min(12, exp_hi - e)):
+                bits[i] += 1 if x & 1 else -1
+                if x % 97 == 0:
+                    bits[i] += 3
+        return new
+
+    specs = {"bf": (torch.bfloat16, 2, 7, 110, 12, 3000), "h": (torch.float16, 2, 10, 3, 10, 900),
+             "f": (torch.float32, 4, 23, 110, 12, 1500), "q": (torch.float8_e4m3fn, 1, 3, 1, 6, 600)}
+    v1 = {k: weights(dt, w, sh, lo, n_e, n, seed=i + 1) for i, (k, (dt, w, sh, lo, n_e, n)) in enumerate(specs.items())}
+    versions = [v1]
+    for s in (1, 2):
+        versions.append({k: step(versions[-1][k], w, sh, lo + n_e, seed=100 * s + i)
+                         for i, (k, (dt, w, sh, lo, n_e, n)) in enumerate(specs.items())})
+    return versions
+
+
+def write_v4(root: Path) -> None:
+    pub = Publisher(store=LocalStore(root, fsync=False),
+                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
+                                                                                 exp_groups=True),
+                                           run_id="golden"),
+                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
+    for i, sd in enumerate(golden_versions_v4()):
+        pub.publish(sd, step=i)
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -59,6 +115,33 @@ def test_writer_produces_the_golden_bytes(tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], f"{name} differs from tests/golden: the format changed"
+
+
+def test_writer_produces_the_golden_v4_bytes(tmp_path):
+    if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
+        shutil.rmtree(GOLDEN_V4, ignore_errors=True)
+        write_v4(GOLDEN_V4)
+    write_v4(tmp_path)
+    got, want = files(tmp_path), files(GOLDEN_V4)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"{name} differs from tests/golden/v4: the format changed"
+
+
+def test_golden_v4_objects_decode(tmp_path):
+    shutil.copytree(GOLDEN_V4, tmp_path / "s")
+    manifests = [json.loads(p.read_bytes()) for p in sorted((tmp_path / "s" / "versions").rglob("manifest-*.json"))]
+    assert [m["schema_version"] for m in manifests] == [2, 4, 4]
+    for m in manifests[1:]:  # every dtype with exponent groups has a sparse-exp block
+        exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == "sparse-exp" for s in b["segments"]}
+        assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
+    sub = Subscriber(str(tmp_path / "s"))
+    for v, sd in enumerate(golden_versions_v4(), 1):
+        assert sub.sync(until=v) == v
+        assert_state_equal(sub.state_dict(), sd)
+    late = Subscriber(str(tmp_path / "s"))  # joins at the keyframe and replays: the same weights
+    late.sync()
+    assert late.model_digest == sub.model_digest
 
 
 @pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
+import contextlib
+import json
+import math
+from unittest import mock
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
+from xcluster.codec import encode
+from xcluster.codec.changes import unzigzag
 from xcluster.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
+from xcluster.format import SPARSE_EXP
 from tests.unit.helpers import assert_state_equal, memory_store
 
 ALL_DTYPES = sorted(DTYPE_NAMES)
@@ -154,3 +163,141 @@ def test_publish_rejects_bad_steps_and_configs():
         CodecConfig(block_bytes=1 << 32)
     with pytest.raises(ConfigError):
         CodecConfig(chunk_bytes=1 << 40)
+
+
+# --- codec v2: sparse-exp ----------------------------------------------------------------------
+EXP_DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+
+
+def ulp_steps(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """``t`` with about ``density`` of its elements moved by ±1 raw step (a few by more, and some
+    wrapping), the way an optimizer step moves low-precision weights."""
+    new = t.clone()
+    if t.numel() == 0:
+        return new
+    bits = flat_bits(new)
+    mask = torch.rand(t.numel(), generator=gen) < density
+    step = torch.randint(0, 2, (t.numel(),), generator=gen, dtype=torch.int64) * 2 - 1
+    big = torch.rand(t.numel(), generator=gen) < 0.05
+    step = torch.where(big, step * torch.randint(2, 1 << 20, (t.numel(),), generator=gen), step)
+    bits[mask] = (bits[mask].to(torch.int64) + step[mask]).to(bits.dtype)
+    return new
+
+
+@contextlib.contextmanager
+def always_exp():
+    """Write sparse-exp for every eligible sparse range, smaller or not (so the property test
+    reaches its decoder on every shape)."""
+    with mock.patch.object(encode, "_smaller", lambda v1, v2, cfg: (SPARSE_EXP, v2)):
+        yield
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(ALL_DTYPES), shape=shapes, density=st.sampled_from([0.001, 0.01, 0.1, 0.3]),
+       seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3), force=st.booleans(), ulp=st.booleans())
+def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed, steps, force, ulp):
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch_dtype(dtype)
+    move = ulp_steps if ulp and dt != torch.bool else perturb
+    cur = {"a": random_tensor(dt, shape, gen), "b": random_tensor(dt, (64, 67), gen)}
+    versions = [cur]
+    for _ in range(steps):
+        cur = {k: move(v, density, gen) for k, v in cur.items()}
+        versions.append(cur)
+    with always_exp() if force else contextlib.nullcontext():
+        roundtrip(versions, keyframe_every=2)
+
+
+def test_sparse_exp_is_chosen_and_late_joiners_agree():
+    """A run of ulp steps with a keyframe every 3 versions: sparse-exp carries the deltas; a
+    subscriber that joins at any keyframe decodes the same bytes to the same weights as one that
+    followed from the start."""
+    gen = torch.Generator().manual_seed(8)
+    cur = {"w": (torch.randn(300, 257, generator=gen) * 0.02).to(torch.bfloat16),
+           "h": torch.randn(4099, generator=gen).to(torch.float16),
+           "f": torch.randn(5000, generator=gen) * 1e-3}
+    store = memory_store()
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=replace(SMALL, exp_groups=True)))
+    follower = Subscriber(store=store)
+    joiners = []
+    for i in range(8):
+        res = pub.publish(cur, step=i)
+        assert follower.sync() == res.version
+        if res.kind == "keyframe":
+            joiners.append(Subscriber(store=store))
+        for j in joiners:
+            assert j.sync() == res.version
+            assert j.model_digest == follower.model_digest
+            assert_state_equal(j.state_dict(), follower.state_dict())
+        assert_state_equal(follower.state_dict(), cur)
+        if res.kind == "delta":
+            m = follower.manifest
+            assert m.schema_version == 4
+            assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == SPARSE_EXP
+                    for s in b.segments} == {"bfloat16", "float16", "float32"}
+        cur = {k: ulp_steps(v, 0.01, gen) for k, v in cur.items()}
+    assert len(joiners) == 3
+
+
+def test_v1_only_config_writes_schema_2():
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(20000, generator=gen) * 0.02).to(torch.bfloat16)
+    store = memory_store()
+    pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_groups=False)))
+    sub = Subscriber(store=store)
+    pub.publish({"w": w})
+    pub.publish({"w": ulp_steps(w, 0.01, gen)})
+    sub.sync()
+    assert sub.manifest.schema_version == 2
+    assert {b.encoding for b in sub.manifest.blocks} == {"sparse-sub"}
+
+
+def test_old_readers_refuse_sparse_exp_manifests():
+    from xcluster import format as fmt
+    from xcluster.errors import FormatError, SchemaVersionError
+
+    gen = torch.Generator().manual_seed(10)
+    w = (torch.randn(20000, generator=gen) * 0.02).to(torch.bfloat16)
+    store = memory_store()
+    pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_groups=True)))
+    pub.publish({"w": w})
+    res = pub.publish({"w": ulp_steps(w, 0.01, gen)})
+    key = [k for k in store.list() if k.startswith(f"versions/{res.version:012d}/manifest")][0]
+    data = store.get(key).data
+    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of schemas 1-3
+        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=(1, 2, 3))
+    obj = json.loads(data)
+    obj["schema_version"] = 2
+    with pytest.raises(FormatError, match="schema_version 4"):
+        fmt.parse_manifest(fmt.canonical_json(obj))
+
+
+def test_sparse_exp_streams_are_checked():
+    """Every byte of a sparse-exp block is accounted for: flipping any bit is caught by the
+    decoder's checks or by the digest, never a crash or a silent wrong weight."""
+    from xcluster.codec import expgroup
+    from xcluster.codec.changes import find_changes, zigzag_diff
+    from xcluster.errors import DecodeError
+
+    gen = torch.Generator().manual_seed(11)
+    old = (torch.randn(5000, generator=gen) * 0.02).to(torch.bfloat16)
+    new = ulp_steps(old, 0.02, gen)
+    ob, nb = flat_bits(old).numpy().view("u2"), flat_bits(new).numpy().view("u2")
+    pos, ov, nv = find_changes(ob, nb)
+    pieces = expgroup.build(ob, pos, zigzag_diff(ov, nv), "bfloat16")
+    caught = 0
+    for s in range(len(pieces)):
+        for byte in range(0, pieces[s].size, max(1, pieces[s].size // 7)):
+            bad = [p.copy() for p in pieces]
+            bad[s][byte] ^= 1 << (byte % 8)
+            try:
+                r = expgroup.SegmentReader(bad, 2, "t")
+                p2, z2 = r.segment(ob, pos.size, "bfloat16", np.uint16)
+                r.finish()
+            except DecodeError:
+                caught += 1
+                continue
+            out = ob.copy()
+            out[p2] += unzigzag(z2)
+            assert not np.array_equal(out, nb) or (np.sort(p2) == pos).all()  # changed bytes, changed weights
+    assert caught > 0

@@ -21,8 +21,8 @@ import torch
 
 from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
-from ..format import DENSE_SUB, GAP_WIDTH, PLANES, SPARSE_SUB, BlockEntry, TensorEntry
-from . import streams
+from ..format import DENSE_SUB, GAP_WIDTH, PLANES, SPARSE_EXP, SPARSE_SUB, BlockEntry, TensorEntry
+from . import expgroup, streams
 from .changes import unzigzag
 
 PIECE = 1 << 18
@@ -50,9 +50,26 @@ class Patch:
     diff: np.ndarray
 
 
+@dataclass(slots=True)
+class Scatter:
+    """Add ``diff`` (wrapping) to the raw bits of elements ``positions`` (absolute, distinct)."""
+
+    tensor: int
+    positions: np.ndarray
+    diff: np.ndarray
+
+
 def block_memory(block: BlockEntry) -> int:
     """Bytes decoding ``block`` holds at its peak (from the manifest's checked sizes alone)."""
     raw = [s.raw for s in block.streams]
+    if block.encoding == SPARSE_EXP:
+        # the streams and the unpacked quotient bits; per segment its groups, a group's membership
+        # mask and bitmap with prefix counts (3 bytes per element); per change about 10 int64
+        # temporaries, the values, its remainder bits unpacked (at most 31) and a 64-byte word
+        # unpacked three times while its rank is selected (192)
+        nnz = sum(s.nnz for s in block.segments)
+        longest = max(s.count for s in block.segments)
+        return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 31 + 192)
     if block.encoding == PLANES:
         return sum(raw)  # the planes themselves, applied as views
     n = raw[-1]  # elements carried: count (dense) or nnz (sparse)
@@ -61,8 +78,10 @@ def block_memory(block: BlockEntry) -> int:
 
 
 def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence[TensorEntry],
-                 *, where: str) -> list[Fill | Patch]:
-    """Decode one block from its chunk's bytes (checksum already verified)."""
+                 *, where: str, base: Sequence[torch.Tensor | None] = ()) -> list[Fill | Patch | Scatter]:
+    """Decode one block from its chunk's bytes (checksum already verified). ``base[i]`` is the
+    tensor the reader holds for tensor ``i`` of the manifest (the base version's, before this
+    version's patches land on the block's ranges): ``sparse-exp`` groups its elements by it."""
     mv = memoryview(chunk)
     offsets = [block.offset]
     for s in block.streams:
@@ -97,6 +116,18 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
             ops.append(Patch(seg.tensor, seg.start, None, diff[cursor:cursor + seg.count]))
             cursor += seg.count
         return ops
+    if block.encoding == SPARSE_EXP:
+        reader = expgroup.SegmentReader([stream(i) for i in range(len(block.streams))], w, where)
+        for seg in block.segments:
+            t = base[seg.tensor] if seg.tensor < len(base) else None
+            if t is None:
+                raise DecodeError(f"{where}: sparse-exp needs the base of {tensors[seg.tensor].name}")
+            old = np_bits(t)[seg.start:seg.start + seg.count]
+            pos, z = reader.segment(old, seg.nnz, tensors[seg.tensor].dtype, udt)
+            pos += seg.start
+            ops.append(Scatter(seg.tensor, pos, unzigzag(z)))
+        reader.finish()
+        return ops
     if block.encoding != SPARSE_SUB:  # pragma: no cover - format validation rejects it
         raise DecodeError(f"{where}: unknown encoding {block.encoding!r}")
     gaps = joined(0, GAP_WIDTH, np.uint32)
@@ -128,8 +159,11 @@ def fill(target: torch.Tensor, op: Fill) -> None:
         dst[op.start:op.start + count, i] = plane
 
 
-def patch(target: torch.Tensor, op: Patch, *, undo: bool = False) -> None:
+def patch(target: torch.Tensor, op: Patch | Scatter, *, undo: bool = False) -> None:
     bits = np_bits(target)
+    if isinstance(op, Scatter):
+        bits[op.positions] = bits[op.positions] - op.diff if undo else bits[op.positions] + op.diff
+        return
     if op.gaps is None:
         view = bits[op.start:op.start + op.diff.size]
         if undo:

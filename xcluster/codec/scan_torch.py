@@ -19,6 +19,7 @@ import torch
 
 from ..dtypes import UINT, flat_bits
 from .changes import join_planes, split_planes
+from .expgroup import EXP_FIELDS
 
 _WIDE = {1: torch.int32, 2: torch.int32, 4: torch.int64}
 _MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFF_FFFF}
@@ -84,20 +85,43 @@ def _bytes(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.uint8).reshape(-1, w)
 
 
-def scan_range(new: torch.Tensor, old: torch.Tensor | None, start: int, end: int, dense_threshold: float):
+def exp_ranks(old: torch.Tensor, pos: torch.Tensor, dtype: str) -> tuple[np.ndarray, ...]:
+    """:func:`expgroup.ranks_numpy` with torch ops on ``old``'s device (signed integer view of the
+    range, changed positions ``pos``); only per-change results cross to the host."""
+    shift, nbits = EXP_FIELDS[dtype]
+    groups = (_unsigned(old, old.element_size()) >> shift).bitwise_and_((1 << nbits) - 1)
+    cg = groups.index_select(0, pos)
+    counts = torch.bincount(cg, minlength=1 << nbits)
+    order = torch.sort(cg, stable=True).indices
+    sizes = torch.zeros(1 << nbits, dtype=torch.int64, device=old.device)
+    ranks = torch.empty(pos.numel(), dtype=torch.int64, device=old.device)
+    start = 0
+    for g, n in enumerate(counts.tolist()):
+        if not n:
+            continue
+        seen = torch.cumsum(torch.eq(groups, g), 0, dtype=torch.int64)
+        sizes[g] = seen[-1]
+        ranks[start:start + n] = seen.index_select(0, pos.index_select(0, order[start:start + n])) - 1
+        start += n
+    return tuple(t.cpu().numpy() for t in (order, ranks, sizes, counts))
+
+
+def scan_range(new: torch.Tensor, old: torch.Tensor | None, start: int, end: int, dense_threshold: float,
+               exp_dtype: str | None = None):
     """Encode elements ``[start, end)`` of ``new`` against ``old`` (None: carried as planes).
 
     Returns None when nothing changed, else ``(kind, streams, nnz, positions, values)``: ``kind`` is
     ``"planes"``, ``"dense"`` or ``"sparse"``; ``streams`` the host byte planes of the segment
     (FORMAT §5); ``positions`` the absolute int64 positions of a sparse range; ``values`` the new raw
     bits as an unsigned host array (at the positions, or of the whole dense range; None for planes).
+    With ``exp_dtype``, a sparse range also carries :func:`exp_ranks` as a sixth item (else None).
     """
     w = new.element_size()
     nb = flat_bits(new)[start:end]
     count = end - start
     if old is None:
         host = nb.cpu().numpy().view(UINT[w])
-        return "planes", split_planes(host), count, None, None
+        return "planes", split_planes(host), count, None, None, None
     ob = flat_bits(old)[start:end].to(nb.device)
     pos, ov, nv = find_changes(ob, nb)
     nnz = int(pos.numel())
@@ -105,10 +129,11 @@ def scan_range(new: torch.Tensor, old: torch.Tensor | None, start: int, end: int
         return None
     if nnz >= dense_threshold * count:
         rows = _rows_to_host([zigzag_bytes(ob, nb), _bytes(nb)])
-        return "dense", list(rows[:w]), nnz, None, join_planes(list(rows[w:]), UINT[w])
+        return "dense", list(rows[:w]), nnz, None, join_planes(list(rows[w:]), UINT[w]), None
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)).sub_(1)  # < 2**31: a range is at most 2**31 elements
     rows = _rows_to_host([_bytes(gaps)[:, :4], zigzag_bytes(ov, nv), _bytes(nv)])
     streams = list(rows[:4 + w])
     positions = np.cumsum(join_planes(streams[:4], np.uint32), dtype=np.int64)
     positions += np.arange(1, nnz + 1, dtype=np.int64) + (start - 1)
-    return "sparse", streams, nnz, positions, join_planes(list(rows[4 + w:]), UINT[w])
+    exp = exp_ranks(ob, pos, exp_dtype) if exp_dtype is not None else None
+    return "sparse", streams, nnz, positions, join_planes(list(rows[4 + w:]), UINT[w]), exp
