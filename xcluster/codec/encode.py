@@ -126,7 +126,7 @@ class _Packer:
         self.pending: list[tuple[str, int, list[Segment], Future]] = []
         self.blocks: list[BlockEntry] = []
         self.chunks: list[ChunkEntry] = []
-        self.cur: list[bytes] = []
+        self.cur = bytearray()  # the chunk being packed; grown in place (never joined into a copy)
         self.cur_size = 0
 
     def add(self, encoding: str, width: int, seg: _Seg) -> None:
@@ -163,14 +163,14 @@ class _Packer:
             self._seal()
         self.blocks.append(BlockEntry(len(self.chunks), self.cur_size, encoding, width,
                                       tuple(StreamEntry(c, len(p), raw) for c, p, raw in parts), tuple(segs)))
-        self.cur.extend(p for _, p, _ in parts)
+        for _, p, _ in parts:
+            self.cur += p
         self.cur_size += size
 
     def _seal(self) -> None:
-        data = b"".join(self.cur)
+        data, self.cur, self.cur_size = self.cur, bytearray(), 0
         entry = ChunkEntry(f"{self.chunk_prefix}-{len(self.chunks):06d}.xc", len(data), xxh3_128(data))
         self.chunks.append(entry)
-        self.cur, self.cur_size = [], 0
         self.emit(entry, data)
 
     def finish(self) -> None:

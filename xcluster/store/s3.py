@@ -23,6 +23,7 @@ Retries follow :mod:`xcluster.retry`; botocore's own are off (one attempt per ca
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -120,6 +121,50 @@ def _read_into(body: Any, out: memoryview, what: str) -> None:
         body.close()
     if filled != len(out):
         raise ShortReadError(f"{what}: body ended after {filled} of {len(out)} bytes")
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview: botocore reads a request body from it a
+    piece at a time (hashing, signing, sending), so the caller's buffer is never copied whole."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __bool__(self) -> bool:  # an empty body is still a body
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _body(data: Any, view: memoryview) -> Any:
+    """A request body for ``data`` that copies nothing: bytes-like objects botocore takes as they
+    are, anything else (a memoryview, a slice of one) as a :class:`_ViewReader` over it."""
+    return data if isinstance(data, (bytes, bytearray)) else _ViewReader(view)
 
 
 def _block_hashes(data: memoryview, block: int) -> list[str]:
@@ -395,13 +440,12 @@ class S3Store:
 
     def _put_single(self, key: str, full: str, view: memoryview, data: Any, meta: dict,
                     cond: dict, retried: list[bool], extra: dict) -> str:
-        body = data if isinstance(data, bytes) else view.tobytes()
         attempts = [0]
 
         def attempt() -> str:
             attempts[0] += 1
             retried[0] = attempts[0] > 1
-            return self._client.put_object(Bucket=self.bucket, Key=full, Body=body, Metadata=meta,
+            return self._client.put_object(Bucket=self.bucket, Key=full, Body=_body(data, view), Metadata=meta,
                                            **cond, **extra)["ETag"]
 
         return self._run(f"{self._where(key)}: put", attempt)
@@ -425,11 +469,11 @@ class S3Store:
         self._count(multipart_uploads=1)
         try:
             def upload(i: int) -> str:
-                body = view[i * part:(i + 1) * part].tobytes()  # the one copy per part in flight
+                piece = view[i * part:(i + 1) * part]  # read from the caller's buffer, not copied
                 etag = self._run(f"{where}: upload part {i + 1}/{count}",
                                  lambda: self._client.upload_part(
                                      Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                     PartNumber=i + 1, Body=body)["ETag"])
+                                     PartNumber=i + 1, Body=_ViewReader(piece))["ETag"])
                 self._count(parts_uploaded=1)
                 return etag
 
@@ -541,7 +585,7 @@ class S3Store:
         buf = bytearray(size)
         _read_into(response["Body"], memoryview(buf), f"{self._where(key)}: get")
         self._verify(key, response.get("Metadata", {}), memoryview(buf), 0, 0)
-        return Blob(bytes(buf), response["ETag"])
+        return Blob(buf, response["ETag"])  # bytes-like; bytes(buf) would hold it twice
 
     def _verify(self, key: str, meta: dict, chunk: memoryview, start: int,
                 block_index: int) -> None:
@@ -619,7 +663,8 @@ class S3Store:
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """One ranged GET of up to ``multipart_threshold`` bytes; if the object holds more of
         the range than that, the rest comes as parallel ranged GETs (``If-Match`` the first
-        answer's etag) into one buffer, returned as a ``bytearray`` to avoid a copy."""
+        answer's etag). Every byte is read straight into one buffer, sized from the first
+        answer's headers and returned as a ``bytearray``: the range is never held twice."""
         if start < 0 or length < 0:
             raise ValueError(f"bad range start={start} length={length}")
         full = self._full(key)
@@ -629,36 +674,38 @@ class S3Store:
             return b""
         first_len = min(length, self.config.multipart_threshold)
 
-        def attempt() -> tuple[bytes, int, str, dict]:
+        def attempt() -> tuple[bytearray | bytes, int, int, str, dict]:
+            """The whole range's buffer with its first bytes read: (buffer, bytes read, total, etag, meta)."""
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=full,
                                                    Range=f"bytes={start}-{start + first_len - 1}")
             except Exception as exc:
                 if _status(exc)[0] == 416:
-                    return b"", 0, "", {}  # start at or past the end
+                    return b"", 0, 0, "", {}  # start at or past the end
                 raise
             first, last, total = _content_range(response, f"{where}: get_range")
             if first != start or not 0 <= last - first < first_len:
                 response["Body"].close()
                 raise StoreError(f"{where}: asked for bytes {start}+{first_len}, got {first}-{last}")
-            buf = bytearray(last - first + 1)
+            size = min(total, start + length) - start
+            if size > self.config.max_object_size:
+                response["Body"].close()
+                raise ObjectTooLargeError(f"{where}: a range of {size} bytes is above "
+                                          f"S3Config.max_object_size ({self.config.max_object_size})")
+            buf = bytearray(size)
+            got = last - first + 1
+            head = memoryview(buf)[:got]
             meta = response.get("Metadata", {})
-            _read_into(response["Body"], memoryview(buf), f"{where}: get_range")
-            self._verify_covered(key, meta, memoryview(buf), first, total)
-            return bytes(buf), total, response["ETag"], meta
+            _read_into(response["Body"], head, f"{where}: get_range")
+            self._verify_covered(key, meta, head, first, total)
+            return buf, got, total, response["ETag"], meta
 
-        data, total, etag, meta = self._run(f"{where}: get bytes {start}+{first_len}", attempt)
-        end = min(total, start + length)
-        if start + len(data) >= end:
-            return data
-        if end - start > self.config.max_object_size:
-            raise ObjectTooLargeError(f"{where}: a range of {end - start} bytes is above "
-                                      f"S3Config.max_object_size ({self.config.max_object_size})")
-        buf = bytearray(end - start)
+        buf, got, total, etag, meta = self._run(f"{where}: get bytes {start}+{first_len}", attempt)
+        end = start + len(buf)
+        if got >= len(buf):
+            return buf  # type: ignore[return-value]  # bytes-like; bytes(buf) would double the peak
         view = memoryview(buf)
-        view[:len(data)] = data
-        rest = start + len(data)
-        del data
+        rest = start + got
         part = self.config.part_size
         if self.config.verify_reads and meta.get(_META_BLOCK, "").isdigit():
             part = max(int(meta[_META_BLOCK]), 1)  # align parts with hashed blocks

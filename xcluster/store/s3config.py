@@ -1,9 +1,9 @@
 """Configuration of the S3 backend: one keyword-only, frozen dataclass.
 
-Peak memory beyond the object itself (the caller's buffer on upload, the returned buffer on
-download) is about ``max_concurrency × part_size``: on upload each in-flight part is copied once
-into its request body; on download parts are read straight into the preallocated result, so the
-extra is only socket buffers. With the defaults: 8 × 16 MiB = 128 MiB.
+Memory: an object is never held twice. On upload, request bodies are read from the caller's
+buffer a piece at a time (no part is copied whole); on download, every part, the first one
+included, is read straight into one result buffer sized from the first answer's headers. The
+extra is socket and hashing buffers, about a MiB per part in flight (``max_concurrency``).
 
 Endpoint, credentials and region come from the standard AWS chain (environment, shared
 config/credentials files and profile, instance metadata) unless set here; this module never
@@ -93,5 +93,6 @@ class S3Config:
 
     @property
     def peak_extra_bytes(self) -> int:
-        """Memory a transfer needs beyond the object itself: ``max_concurrency × part_size``."""
+        """A generous bound on the memory a transfer needs beyond the object itself:
+        ``max_concurrency × part_size`` (in practice about a MiB per part in flight)."""
         return self.max_concurrency * self.part_size
