@@ -53,6 +53,28 @@ def test_multipart_upload_and_ranged_download_run_parts_in_parallel(s3_server):
     assert _uploads(s3_server, store) == []
 
 
+def test_a_large_object_is_never_held_twice(seaweedfs):
+    """Python-allocated memory (tracemalloc) beyond the object itself, on a multipart upload from
+    a memoryview (two parts in flight: copied, they would take 10 MiB) and on a ranged download of it."""
+    import tracemalloc
+
+    store = seaweedfs.store(max_concurrency=2)
+    buf = bytearray(os.urandom(6 * 5 * MiB + 999))  # 7 parts of 5 MiB
+    key = "versions/000000000001/big.xc"
+    tracemalloc.start()
+    try:
+        store.put(key, memoryview(buf))
+        _, put_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        got = store.get_range(key, 0, len(buf) + 1)
+        _, get_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == buf and store.stats.parts_uploaded == 7 and store.stats.parts_downloaded >= 5
+    assert put_peak < 8 * MiB, f"upload held {put_peak / MiB:.1f} MiB beyond the object"
+    assert get_peak < len(buf) + 4 * MiB, f"download peaked at {get_peak / MiB:.1f} MiB for {len(buf) / MiB:.1f}"
+
+
 def test_download_refuses_objects_above_max_object_size(s3_server):
     store = s3_server.store()
     store.put("big", b"x" * (6 * MiB))

@@ -108,12 +108,15 @@ def _content_range(response: dict, what: str) -> tuple[int, int, int]:
                          f"({value!r}); it does not support Range requests") from None
 
 
+_READ_PIECE = 1 << 20  # urllib3's readinto reads into a temporary of the size asked for: keep it small
+
+
 def _read_into(body: Any, out: memoryview, what: str) -> None:
-    """Fill ``out`` from a streaming body; fewer bytes than ``len(out)`` is a short read."""
+    """Fill ``out`` from a streaming body, a MiB at a time; fewer bytes than ``len(out)`` is a short read."""
     filled = 0
     try:
         while filled < len(out):
-            n = body.readinto(out[filled:])
+            n = body.readinto(out[filled:filled + _READ_PIECE])
             if not n:
                 break
             filled += n
