@@ -297,6 +297,11 @@ class Publisher:
         chunks: list[str] = []
         manifest_attempted = False
         base = None if is_key else self._base
+        if is_key and not on_device:
+            # a keyframe needs no base: drop it now, so that encoding runs beside the caller's weights
+            # alone and the new base (cloned once committed) never lives beside the old one. Should
+            # this version fail, the next one is a keyframe, as this one was.
+            self._base = None
         if on_device and base is not None:  # only the changes cross: the host copy is built from them
             host_new: dict[str, torch.Tensor] = {}
 
@@ -346,7 +351,7 @@ class Publisher:
         # committed: advance our view and bring the private base up to date
         delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
         if is_key or on_device:
-            owned = host_new if on_device else _copy_into(self._base, new)
+            owned = host_new if on_device else {n: t.clone() for n, t in new.items()}  # the old base is gone
             self._base = BaseCopy.of(new, owned, {e.name: e.digest for e in encoded.tensors},
                                      on_device=on_device and cfg.base_on == "device", reuse=self._base)
         else:
@@ -381,19 +386,6 @@ class Publisher:
                            attempt: str):
         return encode_and_upload(self.store, self.config, version, new, digests, base, written=written, tags=tags,
                                  chunk_prefix=f"c{attempt}")
-
-
-def _copy_into(old: BaseCopy | None, new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A private copy of ``new`` (just committed), written into the old base's host buffers where
-    name, dtype and shape match: a keyframe then never holds the old base, the new one and the
-    caller's weights at once."""
-    buffers = old.host if old is not None else {}
-    out = {}
-    for name, t in new.items():
-        buf = buffers.get(name)
-        ok = buf is not None and buf.dtype == t.dtype and buf.shape == t.shape and buf.data_ptr() != t.data_ptr()
-        out[name] = buf.copy_(t) if ok else t.clone()
-    return out
 
 
 def keyframe_due(config: PublisherConfig, *, since_keyframe: int, chain_bytes: int, keyframe_bytes: int) -> bool:

@@ -1,0 +1,52 @@
+"""The publisher never holds two bases: a keyframe is encoded beside the caller's weights alone."""
+
+from __future__ import annotations
+
+import torch
+
+from xcluster import Publisher, PublisherConfig, Subscriber
+from xcluster.store import LocalStore
+from tests.unit.helpers import assert_state_equal
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(32, generator=g)}
+
+
+class _WatchingStore:
+    """Records, at each chunk upload, whether the publisher held a base then."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner, self.url, self.pub, self.base_at_put = inner, inner.url, None, []
+
+    def put(self, key, data, **kw):
+        if key.endswith(".xc") and self.pub is not None:
+            self.base_at_put.append(self.pub._base is not None)
+        return self.inner.put(key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_keyframe_is_encoded_without_the_old_base_and_deltas_stay_right(tmp_path):
+    store = _WatchingStore(LocalStore(tmp_path, fsync=False))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    store.pub = pub
+    s0, s1, s2 = _state(0), _state(1), _state(2)
+    pub.publish(s0)
+    store.base_at_put.clear()
+    assert pub.publish(s1).kind == "delta"
+    assert store.base_at_put and all(store.base_at_put)  # a delta is taken against the base
+    store.base_at_put.clear()
+    assert pub.publish(s2, keyframe=True).kind == "keyframe"
+    assert store.base_at_put and not any(store.base_at_put)  # the old base was gone while encoding
+    host = pub._base.host  # and a new one was made once committed, private to the publisher
+    assert all(host[n].data_ptr() != s2[n].data_ptr() for n in host)
+    assert_state_equal(host, s2)
+    s3 = {k: v.clone() for k, v in s2.items()}
+    s3["a"].view(torch.int16).view(-1)[:10] += 1
+    assert pub.publish(s3).kind == "delta"  # deltas against the new base are right
+    sub = Subscriber(store=store)
+    assert sub.sync() == 4
+    assert_state_equal(sub.state_dict(), s3)
