@@ -47,11 +47,11 @@ from .digest import combine_part_digests, model_digest_from, tensor_digest
 from .dtypes import dtype_name
 from .errors import ConfigError, RankLostError, ShardedPublishError, ShardLayoutError, XclusterError
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifest, ManifestLink, Segment,
+from .format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifest, Segment,
                      StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key, manifest_name_for,
                      schema_for)
-from .publisher import (MAX_STEP, PublisherConfig, encode_and_upload, keyframe_due, prepare_state,
-                        resolve_run_id)
+from .publisher import (MAX_STEP, PublisherConfig, chain_fields, encode_and_upload, keyframe_due,
+                        prepare_state, resolve_run_id)
 from .retention import gc
 from .signing import load_signer
 from .store import Store, resolve_store
@@ -423,19 +423,12 @@ class ShardedPublisher:
                     tuple(Segment(index[local[t][0]], local[t][1] + start, count, nnz)
                           for t, start, count, nnz in segments)))
         mdigest = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in tensors)
-        assert is_key or self._base_link is not None
         return Manifest(
-            version=version, kind=KEYFRAME if is_key else DELTA,
-            base_version=None if is_key else c.version,
-            base_model_digest=None if is_key else self._base_model_digest,
-            base_manifest_xxh3_128=None if is_key else self._base_link[1],
-            base_manifest=None if is_key else self._base_link[0],
-            keyframe_version=version if is_key else self._keyframe_version,
+            **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
+                           base_link=self._base_link, keyframe_version=self._keyframe_version),
             step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
             tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
             changed_elements=sum(p["changed"] for p in parts), files=self._files.entries, run_id=self.run_id,
-            prev_manifest=None if c.head is None else ManifestLink(c.head.version, c.head.manifest,
-                                                                   c.head.manifest_xxh3_128),
             schema_version=schema_for(tensors, blocks))
 
 

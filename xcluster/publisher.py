@@ -320,19 +320,12 @@ class Publisher:
             file_bytes = self._files.upload()
             encoded, uploaded = self._encode_and_upload(version, source, digests, against, chunks, tags, attempt)
             mdigest = model_digest_from((e.name, e.dtype, e.shape, e.digest) for e in encoded.tensors)
-            assert is_key or self._base_link is not None
             manifest = Manifest(
-                version=version, kind=KEYFRAME if is_key else DELTA,
-                base_version=None if is_key else c.version,
-                base_model_digest=None if is_key else self._base_model_digest,
-                base_manifest_xxh3_128=None if is_key else self._base_link[1],
-                base_manifest=None if is_key else self._base_link[0],
-                keyframe_version=version if is_key else self._keyframe_version,
+                **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
+                               base_link=self._base_link, keyframe_version=self._keyframe_version),
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
                 changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id,
-                prev_manifest=None if c.head is None else ManifestLink(
-                    c.head.version, c.head.manifest, c.head.manifest_xxh3_128),
                 schema_version=schema_for(encoded.tensors, encoded.blocks))
             committed = self._clock()
             mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
@@ -386,6 +379,22 @@ class Publisher:
                            attempt: str):
         return encode_and_upload(self.store, self.config, version, new, digests, base, written=written, tags=tags,
                                  chunk_prefix=f"c{attempt}")
+
+
+def chain_fields(version: int, *, is_key: bool, head: Head | None, base_model_digest: str | None,
+                 base_link: tuple[str, str] | None, keyframe_version: int) -> dict:
+    """The manifest fields that place ``version`` in the chain (FORMAT.md §3): its kind, its base
+    link for a delta (the version HEAD names: ``base_link`` is its manifest name and hash), its
+    keyframe, and ``prev_manifest`` (HEAD's manifest, keyframes included)."""
+    assert is_key or (base_link is not None and head is not None)
+    return dict(
+        version=version, kind=KEYFRAME if is_key else DELTA,
+        base_version=None if is_key else head.version,
+        base_model_digest=None if is_key else base_model_digest,
+        base_manifest_xxh3_128=None if is_key else base_link[1],
+        base_manifest=None if is_key else base_link[0],
+        keyframe_version=version if is_key else keyframe_version,
+        prev_manifest=None if head is None else ManifestLink(head.version, head.manifest, head.manifest_xxh3_128))
 
 
 def keyframe_due(config: PublisherConfig, *, since_keyframe: int, chain_bytes: int, keyframe_bytes: int) -> bool:

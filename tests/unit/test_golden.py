@@ -106,26 +106,16 @@ def files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-def test_writer_produces_the_golden_bytes(tmp_path):
+@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v4, GOLDEN_V4)], ids=["v2", "v4"])
+def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
-        shutil.rmtree(GOLDEN, ignore_errors=True)
-        write(GOLDEN)
-    write(tmp_path)
-    got, want = files(tmp_path), files(GOLDEN)
+        shutil.rmtree(golden, ignore_errors=True)
+        writer(golden)
+    writer(tmp_path)
+    got, want = files(tmp_path), files(golden)
     assert sorted(got) == sorted(want)
     for name in want:
-        assert got[name] == want[name], f"{name} differs from tests/golden: the format changed"
-
-
-def test_writer_produces_the_golden_v4_bytes(tmp_path):
-    if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
-        shutil.rmtree(GOLDEN_V4, ignore_errors=True)
-        write_v4(GOLDEN_V4)
-    write_v4(tmp_path)
-    got, want = files(tmp_path), files(GOLDEN_V4)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name] == want[name], f"{name} differs from tests/golden/v4: the format changed"
+        assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
 def test_golden_v4_objects_decode(tmp_path):
