@@ -18,6 +18,8 @@ from tests.unit.helpers import assert_state_equal
 GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
 GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
 GOLDEN_V4 = Path(__file__).parent.parent / "golden" / "v4" / "store"
+GOLDEN_V4_0 = Path(__file__).parent.parent / "golden" / "v4-0" / "store"
+"""v4 as the first writer of schema 4 laid it out (sparse-exp blocks sized by stream bytes): still read."""
 """Schema 4: sparse-exp blocks (codec v2), with the same v1 encodings where they are smaller."""
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
@@ -118,8 +120,9 @@ def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
         assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
-def test_golden_v4_objects_decode(tmp_path):
-    shutil.copytree(GOLDEN_V4, tmp_path / "s")
+@pytest.mark.parametrize("golden", [GOLDEN_V4, GOLDEN_V4_0], ids=["v4", "v4-0"])
+def test_golden_v4_objects_decode(tmp_path, golden):
+    shutil.copytree(golden, tmp_path / "s")
     manifests = [json.loads(p.read_bytes()) for p in sorted((tmp_path / "s" / "versions").rglob("manifest-*.json"))]
     assert [m["schema_version"] for m in manifests] == [2, 4, 4]
     for m in manifests[1:]:  # every dtype with exponent groups has a sparse-exp block

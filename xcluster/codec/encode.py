@@ -31,7 +31,8 @@ class CodecConfig:
     """zstd level for every stream (1-22). On byte planes level 1 is as small as 3 and twice as
     fast; 19 saves ~4% on delta streams at ~100x the time."""
     block_bytes: int = 16 << 20
-    """Target decoded bytes per block (the unit decoded independently, in parallel)."""
+    """Target decoded bytes per block (the unit decoded independently, in parallel); for
+    ``sparse-exp`` blocks, bytes of the base they cover (decoding reads all of them)."""
     chunk_bytes: int = 64 << 20
     """Target size of a chunk object; a chunk holds whole blocks and is sealed once it reaches this."""
     dense_threshold: float = 0.25
@@ -132,7 +133,11 @@ class _Packer:
     def add(self, encoding: str, width: int, seg: _Seg) -> None:
         key = (encoding, width)
         self.open.setdefault(key, []).append(seg)
-        self.open_bytes[key] = self.open_bytes.get(key, 0) + sum(s.nbytes for s in seg.streams)
+        # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp the bits
+        # of the base it groups (every element of the range is read), so such a delta still
+        # splits into blocks that decode in parallel
+        work = seg.seg.count * width if encoding == SPARSE_EXP else sum(s.nbytes for s in seg.streams)
+        self.open_bytes[key] = self.open_bytes.get(key, 0) + work
         if self.open_bytes[key] >= self.cfg.block_bytes:
             self._flush(key)
 

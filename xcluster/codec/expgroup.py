@@ -9,10 +9,8 @@ Rice code whose parameter both ends derive from the group's size and its number 
 value of a change is split into a sign bit, a "moved more than one step" bit, and, for those that
 did, the rest in byte planes.
 
-Ranks are found with one bitmap per group that holds changes (the group's members, packed 64 to a
-word) and the prefix popcounts of its words: the rank of a member is the popcount before its word
-plus the popcount of the lower bits of its word; the member of a given rank is found the other way
-round. No sort of the range.
+Ranks, group sizes and the member of a given rank are found by :mod:`.exprank` (one pass over the
+range, no sort).
 
 Pure: numpy arrays in, numpy arrays out.
 """
@@ -22,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DecodeError
+from . import exprank
 from .changes import split_planes
 
 EXP_FIELDS: dict[str, tuple[int, int]] = {
@@ -39,11 +38,13 @@ EXP_FIELDS: dict[str, tuple[int, int]] = {
 N_STREAMS = 6
 COUNTS, UNARY, REMAINDERS, SIGNS, BIG, REST = range(N_STREAMS)
 
-_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-
-
 def n_groups(dtype: str) -> int:
     return 1 << EXP_FIELDS[dtype][1]
+
+
+def _field(dtype: str) -> tuple[int, int]:
+    shift, nbits = EXP_FIELDS[dtype]
+    return shift, (1 << nbits) - 1
 
 
 def rice_k(pop: int | np.ndarray, nnz: int | np.ndarray):
@@ -58,74 +59,21 @@ def rice_k(pop: int | np.ndarray, nnz: int | np.ndarray):
 
 def groups_of(bits: np.ndarray, dtype: str) -> np.ndarray:
     """The group (exponent field) of every element of the unsigned raw bits ``bits``, as uint8."""
-    shift, nbits = EXP_FIELDS[dtype]
-    g = (bits >> bits.dtype.type(shift)).astype(np.uint8)  # truncation keeps the low 8 bits
-    if nbits < 8:
-        g &= np.uint8((1 << nbits) - 1)
-    return g
+    return exprank.group_ids(bits, *_field(dtype))
 
 
-def _popcount(words: np.ndarray) -> np.ndarray:
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(words)
-    return _POP8[words.view(np.uint8)].reshape(-1, 8).sum(axis=1, dtype=np.uint8)
-
-
-class _Bitmap:
-    """Members of one group in a range: bit j of word i is element 64·i + j; ``cum[i]`` is the
-    number of members before word i (``cum[-1]``: the group's size)."""
-
-    __slots__ = ("words", "cum")
-
-    def __init__(self, groups: np.ndarray, g: int) -> None:
-        packed = np.packbits(groups == g, bitorder="little")
-        pad = -packed.size % 8
-        if pad:
-            packed = np.concatenate([packed, np.zeros(pad, dtype=np.uint8)])
-        self.words = packed.view("<u8")
-        self.cum = np.zeros(self.words.size + 1, dtype=np.int64)
-        np.cumsum(_popcount(self.words), out=self.cum[1:])
-
-    @property
-    def size(self) -> int:
-        return int(self.cum[-1])
-
-    def rank(self, pos: np.ndarray) -> np.ndarray:
-        """Ranks of the members at ``pos`` (int64)."""
-        wi = pos >> 6
-        below = (np.uint64(1) << (pos & 63).astype(np.uint64)) - np.uint64(1)
-        return self.cum[wi] + _popcount(self.words[wi] & below).astype(np.int64)
-
-    def select(self, ranks: np.ndarray) -> np.ndarray:
-        """Positions of the members of ``ranks`` (each < size)."""
-        wi = np.searchsorted(self.cum, ranks, side="right") - 1
-        j = ranks - self.cum[wi]  # which set bit of its word, from the lowest
-        bits = np.unpackbits(self.words[wi].view(np.uint8), bitorder="little").reshape(-1, 64)
-        seen = np.cumsum(bits, axis=1, dtype=np.int8)
-        return (wi << 6) + np.argmax(seen > j[:, None].astype(np.int8), axis=1)
-
-
-def ranks_numpy(old: np.ndarray, pos: np.ndarray, dtype: str
+def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: str
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Groups and ranks of the changed positions ``pos`` (sorted, relative to the range ``old``):
     ``(order, ranks, sizes, counts)`` where ``order`` lists indices into ``pos`` in **change
     order** (by group, then position), ``ranks`` the rank of each in that order, ``sizes`` the size
     of every group (0 for groups without changes: they are not counted) and ``counts`` the changes
-    per group."""
-    groups = groups_of(old, dtype)
-    cg = groups[pos]
-    order = np.argsort(cg, kind="stable")
-    counts = np.bincount(cg, minlength=n_groups(dtype))
-    sizes = np.zeros(counts.size, dtype=np.int64)
-    ranks = np.empty(pos.size, dtype=np.int64)
-    start = 0
-    for g in np.flatnonzero(counts).tolist():
-        end = start + int(counts[g])
-        bm = _Bitmap(groups, g)
-        sizes[g] = bm.size
-        ranks[start:end] = bm.rank(pos[order[start:end]])
-        start = end
-    return order, ranks, sizes, counts
+    per group. (Compiled loops when numba is there, numpy otherwise: :mod:`.exprank`.)"""
+    groups, ranks, sizes = exprank.ranks(old, pos, *_field(dtype))
+    order = np.argsort(groups.astype(np.uint8), kind="stable")  # a radix sort of ≤ 256 keys
+    counts = np.bincount(groups, minlength=n_groups(dtype))
+    sizes = np.where(counts > 0, sizes, 0)
+    return order, ranks[order], sizes, counts
 
 
 def _packbits(bits: np.ndarray) -> np.ndarray:
@@ -151,12 +99,14 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     q = gaps >> kk
     unary = np.zeros(int(q.sum()) + q.size, dtype=np.uint8)
     unary[np.cumsum(q + 1) - 1] = 1
-    kmax = int(k.max()) if k.size else 0
-    if kmax:
-        lanes = np.arange(kmax, dtype=np.int64)
-        rem_bits = ((gaps[:, None] >> lanes) & 1)[lanes < kk[:, None]].astype(np.uint8)
-    else:
-        rem_bits = np.zeros(0, dtype=np.uint8)
+    rem_parts = [np.zeros(0, dtype=np.uint8)]
+    s = 0
+    for ng_, kg in zip(n.tolist(), k.tolist()):  # a group's remainders: n × k bits, LSB first
+        if kg:
+            lanes = np.arange(kg, dtype=np.int64)
+            rem_parts.append(((gaps[s:s + ng_, None] >> lanes) & 1).astype(np.uint8).reshape(-1))
+        s += ng_
+    rem_bits = np.concatenate(rem_parts)
     one = z.dtype.type(1)
     sign = (z & one).astype(np.uint8)
     big = z > z.dtype.type(2)
@@ -168,7 +118,7 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
 def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str) -> list[np.ndarray]:
     """``sparse-exp`` stream pieces of one segment from its old raw bits (the range), the sorted
     relative changed positions and their zigzag diffs (in position order)."""
-    order, ranks, sizes, counts = ranks_numpy(old, pos, dtype)
+    order, ranks, sizes, counts = group_ranks(old, pos, dtype)
     return pack(dtype, counts, sizes, ranks, z[order])
 
 
@@ -218,15 +168,10 @@ class SegmentReader:
             raise DecodeError(f"{where}: nonzero padding bits in the quotient stream")
         q = np.diff(ones, prepend=start_bit - 1) - 1
         self.cur[UNARY] = int(ones[-1]) // 8 + 1
-        groups = groups_of(old, dtype)
+        shift, mask = _field(dtype)
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.int64)
-        bitmaps = []
-        sizes = np.empty(present.size, dtype=np.int64)
-        for i, g in enumerate(present.tolist()):
-            bm = _Bitmap(groups, g)
-            bitmaps.append(bm)
-            sizes[i] = bm.size
+        sizes = exprank.sizes(old, present, shift, mask)
         if (n > sizes).any():
             raise DecodeError(f"{where}: a group holds more changes than elements")
         k = rice_k(sizes, n)
@@ -243,15 +188,13 @@ class SegmentReader:
         if (q > (np.int64(1) << 31)).any():
             raise DecodeError(f"{where}: a quotient is larger than any group")
         gaps = (q << kk) + rem
-        pos = np.empty(nnz, dtype=np.int64)
-        s = 0
-        for i, bm in enumerate(bitmaps):
-            e = s + int(n[i])
-            ranks = np.cumsum(gaps[s:e] + 1) - 1
-            if int(ranks[-1]) >= bm.size:
-                raise DecodeError(f"{where}: a rank lies past the end of its group")
-            pos[s:e] = bm.select(ranks)
-            s = e
+        starts = np.zeros(n.size + 1, dtype=np.int64)
+        np.cumsum(n, out=starts[1:])
+        ranks = np.cumsum(gaps + 1) - 1  # ranks inside each group: restart the count at each group
+        ranks -= np.repeat(ranks[starts[:-1]] - gaps[starts[:-1]], n)
+        pos, ok = exprank.select(old, present, starts, ranks, shift, mask)
+        if not ok:
+            raise DecodeError(f"{where}: a rank lies past the end of its group")
         sign = _bits(self._take(SIGNS, (nnz + 7) // 8, "sign"), nnz, where, "sign").astype(udt)
         big = _bits(self._take(BIG, (nnz + 7) // 8, "flag"), nnz, where, "flag").astype(bool)
         nbig = int(np.count_nonzero(big))

@@ -86,7 +86,7 @@ def _bytes(bits: torch.Tensor) -> torch.Tensor:
 
 
 def exp_ranks(old: torch.Tensor, pos: torch.Tensor, dtype: str) -> tuple[np.ndarray, ...]:
-    """:func:`expgroup.ranks_numpy` with torch ops on ``old``'s device (signed integer view of the
+    """:func:`expgroup.group_ranks` with torch ops on ``old``'s device (signed integer view of the
     range, changed positions ``pos``); only per-change results cross to the host."""
     shift, nbits = EXP_FIELDS[dtype]
     groups = (_unsigned(old, old.element_size()) >> shift).bitwise_and_((1 << nbits) - 1)

@@ -1,0 +1,88 @@
+"""Ranks inside exponent groups (codec/exprank.py): the compiled loops and the numpy bitmaps give
+the same answers, and both agree with a plain Python count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xcluster.codec import exprank
+
+FIELDS = [(np.uint16, 7, 0xFF), (np.uint16, 10, 0x1F), (np.uint32, 23, 0xFF), (np.uint8, 3, 0xF), (np.uint8, 2, 0x1F)]
+
+
+def _reference(bits, pos, shift, mask):
+    groups = [(int(b) >> shift) & mask for b in bits.tolist()]
+    seen = [0] * (mask + 1)
+    ranks = {}
+    for i, g in enumerate(groups):
+        ranks[i] = seen[g]
+        seen[g] += 1
+    return [groups[p] for p in pos], [ranks[p] for p in pos], seen
+
+
+def _case(data, udt, n, density, seed):
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(udt)
+    # few groups, unevenly filled (as real weights are), plus every other value now and then
+    narrow = rng.integers(0, 64, size=n).astype(udt) << udt(info.bits - 8)
+    wide = rng.integers(0, int(info.max) + 1, size=n, dtype=np.uint64).astype(udt)
+    bits = np.where(rng.random(n) < 0.9, narrow, wide).astype(udt)
+    pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    return bits, pos
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(FIELDS), n=st.integers(0, 3000), density=st.sampled_from([0.0, 0.003, 0.05, 0.5, 1.0]),
+       seed=st.integers(0, 2**31))
+def test_compiled_and_numpy_agree_with_a_plain_count(field, n, density, seed):
+    udt, shift, mask = field
+    bits, pos = _case(None, udt, n, density, seed)
+    want_g, want_r, want_sizes = _reference(bits, pos, shift, mask)
+    for use_numpy in (False, True):
+        g, r, sizes = exprank.ranks(bits, pos, shift, mask, numpy=use_numpy)
+        assert g.tolist() == want_g and r.tolist() == want_r
+        present = np.unique(g)
+        assert sizes[present].tolist() == [want_sizes[x] for x in present.tolist()]
+        if not use_numpy:
+            assert sizes.tolist() == want_sizes  # the compiled pass counts every group
+        got = exprank.sizes(bits, present, shift, mask, numpy=use_numpy)
+        assert got.tolist() == [want_sizes[x] for x in present.tolist()]
+        # select inverts ranks: changes in group order, ranks ascending inside a group
+        order = np.argsort(g, kind="stable")
+        counts = np.array([int((g == x).sum()) for x in present.tolist()], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        out, ok = exprank.select(bits, present, starts, r[order], shift, mask, numpy=use_numpy)
+        assert ok and out.tolist() == pos[order].tolist()
+
+
+@pytest.mark.parametrize("use_numpy", [False, True])
+def test_select_refuses_a_rank_past_its_group(use_numpy):
+    if not use_numpy and not exprank.compiled():
+        pytest.skip("numba is not importable here")
+    bits = np.array([0x100, 0x200, 0x100, 0x100], dtype=np.uint16)  # group 2 (>>7): 3 members, group 4: 1
+    present = np.array([2, 4])
+    starts = np.array([0, 2, 3])
+    out, ok = exprank.select(bits, present, starts, np.array([0, 2, 0]), 7, 0xFF, numpy=use_numpy)
+    assert ok and out.tolist() == [0, 3, 1]
+    for bad in ([0, 3, 0], [0, 2, 1]):  # past group 2's end; past group 4's end
+        _, ok = exprank.select(bits, present, starts, np.array(bad), 7, 0xFF, numpy=use_numpy)
+        assert not ok
+    _, ok = exprank.select(bits, np.array([2, 9]), starts, np.array([0, 2, 0]), 7, 0xFF, numpy=use_numpy)
+    assert not ok  # a group with no member at all
+
+
+def test_numba_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(exprank.NO_COMPILE_ENV, "1")
+    exprank._kernels.cache_clear()
+    try:
+        assert not exprank.compiled()
+        bits = np.arange(64, dtype=np.uint16) << np.uint16(7)
+        g, r, _ = exprank.ranks(bits, np.array([3, 5]), 7, 0xFF)
+        assert g.tolist() == [3, 5] and r.tolist() == [0, 0]
+    finally:
+        monkeypatch.delenv(exprank.NO_COMPILE_ENV)
+        exprank._kernels.cache_clear()

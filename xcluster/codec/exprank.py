@@ -1,0 +1,256 @@
+"""Ranks inside exponent groups: the one costly step of ``sparse-exp`` (FORMAT.md §5a), done fast.
+
+The **group** of an element is the exponent field of its base value; its **rank** is how many
+elements of its group lie before it in the range. The encoder needs the rank of every changed
+element and the size of every group; the decoder needs the size of every group and, for each
+coded rank, the element that has it (select).
+
+Two implementations give identical results:
+
+- compiled loops (numba, imported lazily; a missing or broken numba falls back): one pass over the
+  range's raw bits with four or eight interleaved histograms, so consecutive elements of one group do not
+  wait on each other; the GIL is released, so ranges decode on several cores at once;
+- numpy: one bitmap per group that holds changes (members packed 64 to a word) with the prefix
+  popcounts of its words; one pass over the range per such group.
+
+Pure: numpy arrays in, numpy arrays out. ``positions`` and ``ranks`` are int64, groups index
+``range(n_groups)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
+"""Set to 1 to use the numpy implementation (the same results, slower)."""
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words)
+    return _POP8[words.view(np.uint8)].reshape(-1, 8).sum(axis=1, dtype=np.uint8)
+
+
+def group_ids(bits: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """The group of every element of the unsigned raw bits ``bits``, as uint8."""
+    g = (bits >> bits.dtype.type(shift)).astype(np.uint8)  # truncation keeps the low 8 bits
+    if mask != 0xFF:
+        g &= np.uint8(mask)
+    return g
+
+
+# --- numpy ------------------------------------------------------------------------------------
+class _Bitmap:
+    """Members of one group in a range: bit j of word i is element 64·i + j; ``cum[i]`` is the
+    number of members before word i (``cum[-1]``: the group's size)."""
+
+    __slots__ = ("words", "cum")
+
+    def __init__(self, groups: np.ndarray, g: int) -> None:
+        packed = np.packbits(groups == g, bitorder="little")
+        pad = -packed.size % 8
+        if pad:
+            packed = np.concatenate([packed, np.zeros(pad, dtype=np.uint8)])
+        self.words = packed.view("<u8")
+        self.cum = np.zeros(self.words.size + 1, dtype=np.int64)
+        np.cumsum(_popcount(self.words), out=self.cum[1:])
+
+    @property
+    def size(self) -> int:
+        return int(self.cum[-1])
+
+    def rank(self, pos: np.ndarray) -> np.ndarray:
+        wi = pos >> 6
+        below = (np.uint64(1) << (pos & 63).astype(np.uint64)) - np.uint64(1)
+        return self.cum[wi] + _popcount(self.words[wi] & below).astype(np.int64)
+
+    def select(self, ranks: np.ndarray) -> np.ndarray:
+        wi = np.searchsorted(self.cum, ranks, side="right") - 1
+        j = ranks - self.cum[wi]  # which set bit of its word, from the lowest
+        bits = np.unpackbits(self.words[wi].view(np.uint8), bitorder="little").reshape(-1, 64)
+        seen = np.cumsum(bits, axis=1, dtype=np.int8)
+        return (wi << 6) + np.argmax(seen > j[:, None].astype(np.int8), axis=1)
+
+
+def _ranks_numpy(bits, pos, shift, mask, ng):
+    groups = group_ids(bits, shift, mask)
+    cg = groups[pos]
+    sizes = np.zeros(ng, dtype=np.int64)
+    ranks = np.empty(pos.size, dtype=np.int64)
+    for g in np.unique(cg).tolist():
+        sel = np.flatnonzero(cg == g)
+        bm = _Bitmap(groups, g)
+        sizes[g] = bm.size
+        ranks[sel] = bm.rank(pos[sel])
+    return cg.astype(np.int64), ranks, sizes
+
+
+def _sizes_numpy(bits, present, shift, mask, ng):
+    groups = group_ids(bits, shift, mask)
+    return np.array([np.count_nonzero(groups == g) for g in present.tolist()], dtype=np.int64)
+
+
+def _select_numpy(bits, present, starts, ranks, shift, mask, ng):
+    groups = group_ids(bits, shift, mask)
+    out = np.empty(ranks.size, dtype=np.int64)
+    for i, g in enumerate(present.tolist()):
+        r = ranks[starts[i]:starts[i + 1]]
+        if r.size:
+            bm = _Bitmap(groups, g)
+            if int(r[-1]) >= bm.size:
+                return out, False
+            out[starts[i]:starts[i + 1]] = bm.select(r)
+    return out, True
+
+
+# --- compiled ---------------------------------------------------------------------------------
+def _compiled_kernels():
+    from numba import njit
+
+    opts = dict(nogil=True, cache=True, boundscheck=False)
+
+    @njit(**opts)
+    def ranks(bits, pos, shift, mask, ng):
+        n = bits.size
+        m = pos.size
+        c = np.zeros((4, ng), np.int64)
+        grp = np.empty(m, np.int64)
+        rank = np.empty(m, np.int64)
+        j = 0
+        i = 0
+        while i < n:
+            if i + 4 <= n and (j >= m or pos[j] >= i + 4):
+                c[0, (bits[i] >> shift) & mask] += 1
+                c[1, (bits[i + 1] >> shift) & mask] += 1
+                c[2, (bits[i + 2] >> shift) & mask] += 1
+                c[3, (bits[i + 3] >> shift) & mask] += 1
+                i += 4
+                continue
+            for k in range(i, min(i + 4, n)):  # a quad that holds changes (or the tail)
+                g = (bits[k] >> shift) & mask
+                if j < m and pos[j] == k:
+                    grp[j] = g
+                    rank[j] = c[0, g] + c[1, g] + c[2, g] + c[3, g]
+                    j += 1
+                c[0, g] += 1
+            i += 4
+        sizes = c[0] + c[1] + c[2] + c[3]
+        return grp, rank, sizes
+
+    @njit(**opts)
+    def sizes(bits, present, shift, mask, ng):
+        n = bits.size
+        c = np.zeros((8, ng), np.uint32)  # a segment holds < 2**32 elements
+        n8 = n - n % 8
+        for i in range(0, n8, 8):
+            c[0, (bits[i] >> shift) & mask] += 1
+            c[1, (bits[i + 1] >> shift) & mask] += 1
+            c[2, (bits[i + 2] >> shift) & mask] += 1
+            c[3, (bits[i + 3] >> shift) & mask] += 1
+            c[4, (bits[i + 4] >> shift) & mask] += 1
+            c[5, (bits[i + 5] >> shift) & mask] += 1
+            c[6, (bits[i + 6] >> shift) & mask] += 1
+            c[7, (bits[i + 7] >> shift) & mask] += 1
+        for i in range(n8, n):
+            c[0, (bits[i] >> shift) & mask] += 1
+        out = np.zeros(present.size, np.int64)
+        for k in range(present.size):
+            for lane in range(8):
+                out[k] += c[lane, present[k]]
+        return out
+
+    @njit(**opts)
+    def select(bits, present, starts, ranks, shift, mask, ng):
+        m = ranks.size
+        out = np.empty(m, np.int64)
+        cnt = np.zeros(ng, np.int64)
+        want = np.full(ng, -1, np.int64)  # the next rank sought in each group (-1: none)
+        ptr = np.zeros(ng, np.int64)
+        end = np.zeros(ng, np.int64)
+        for k in range(present.size):
+            g = present[k]
+            ptr[g] = starts[k]
+            end[g] = starts[k + 1]
+            if starts[k] < starts[k + 1]:
+                want[g] = ranks[starts[k]]
+        left = m
+        n = bits.size
+        i = 0
+        while left > 0 and i < n:
+            g = (bits[i] >> shift) & mask
+            r = cnt[g]
+            if r == want[g]:
+                p = ptr[g]
+                out[p] = i
+                p += 1
+                ptr[g] = p
+                want[g] = ranks[p] if p < end[g] else -1
+                left -= 1
+            cnt[g] = r + 1
+            i += 1
+        return out, left == 0
+
+    return ranks, sizes, select
+
+
+@functools.cache
+def _kernels():
+    """The compiled kernels, or None (numba missing or broken, or turned off)."""
+    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        return _compiled_kernels()
+    except Exception:  # numba absent or unusable on this platform: numpy gives the same results
+        return None
+
+
+def compiled() -> bool:
+    """Whether the compiled kernels are in use."""
+    return _kernels() is not None
+
+
+def _args(bits: np.ndarray, shift: int, mask: int):
+    t = bits.dtype.type
+    return t(shift), t(mask)
+
+
+# --- the interface ----------------------------------------------------------------------------
+def ranks(bits: np.ndarray, pos: np.ndarray, shift: int, mask: int, *, numpy: bool = False
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the sorted positions ``pos`` of the range ``bits``: ``(groups, ranks, sizes)`` — the
+    group and rank of each position (in position order) and the size of every group."""
+    k = None if numpy else _kernels()
+    ng = mask + 1
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    if k is None:
+        return _ranks_numpy(bits, pos, shift, mask, ng)
+    return k[0](np.ascontiguousarray(bits), pos, *_args(bits, shift, mask), ng)
+
+
+def sizes(bits: np.ndarray, present: np.ndarray, shift: int, mask: int, *, numpy: bool = False) -> np.ndarray:
+    """The sizes of the groups ``present`` in the range ``bits``."""
+    k = None if numpy else _kernels()
+    present = np.ascontiguousarray(present, dtype=np.int64)
+    if k is None:
+        return _sizes_numpy(bits, present, shift, mask, mask + 1)
+    return k[1](np.ascontiguousarray(bits), present, *_args(bits, shift, mask), mask + 1)
+
+
+def select(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int, mask: int,
+           *, numpy: bool = False) -> tuple[np.ndarray, bool]:
+    """The positions of the elements with the given ranks: ``ranks_[starts[i]:starts[i+1]]``
+    (strictly increasing) are ranks in group ``present[i]``. Returns ``(positions, ok)``; ``ok``
+    is False when a rank lies past the end of its group (the positions are then meaningless)."""
+    k = None if numpy else _kernels()
+    present = np.ascontiguousarray(present, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ranks_ = np.ascontiguousarray(ranks_, dtype=np.int64)
+    if k is None:
+        return _select_numpy(bits, present, starts, ranks_, shift, mask, mask + 1)
+    out, ok = k[2](np.ascontiguousarray(bits), present, starts, ranks_, *_args(bits, shift, mask), mask + 1)
+    return out, bool(ok)
