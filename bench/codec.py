@@ -123,17 +123,26 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
 V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True)
 
 
+def _chunk_bytes(store, version: int) -> int:
+    """Bytes of the chunk objects of ``version`` (what the codec wrote; the rest is manifest + HEAD)."""
+    return sum(store.stat(k).size for k in store.list(f"versions/{version:012d}/") if k.endswith(".xc"))
+
+
 def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
     """Bits per changed element of a whole run, every byte counted (chunks, manifest, HEAD): v1,
-    v2 and the slime-style baseline, per step."""
-    pubs = {name: Publisher(store=open_store(f"memory://bench-{uuid.uuid4().hex}"),
+    v2 and the slime-style baseline, per step; and the chunks alone (the codec's own bytes: the
+    manifest's size follows the number of tensors, not the number of changes)."""
+    stores = {name: open_store(f"memory://bench-{uuid.uuid4().hex}") for name in ("v1", "v2")}
+    pubs = {name: Publisher(store=stores[name],
                             config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None, codec=cfg))
             for name, cfg in (("v1", V1), ("v2", V2))}
     print(f"Adam lr={lr:g}, {steps} steps, bf16 published after each step")
-    print("| step | changed | v1 bits/ch | v2 bits/ch | slime bits/ch | v2/v1 |")
-    print("|---|---|---|---|---|---|")
-    tot = {"v1": 0, "v2": 0, "slime": 0, "changed": 0}
-    early = {"v1": 0, "v2": 0, "changed": 0}
+    print("| step | changed | v1 bits/ch | v2 bits/ch | slime bits/ch | v2/v1 | v1 chunks only | v2 chunks only "
+          "| manifest+HEAD bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    keys = ("v1", "v2", "slime", "changed", "v1c", "v2c")
+    tot = dict.fromkeys(keys, 0)
+    early = dict.fromkeys(keys, 0)
     prev = None
     for s, cur in enumerate(stepper(master, lr, steps)):
         res = {name: pub.publish(cur, step=s) for name, pub in pubs.items()}
@@ -143,16 +152,20 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
             ch = res["v1"].changed_elements
             sl = slime_bytes(prev, cur)
             b = {k: r.bytes_written for k, r in res.items()}
+            c = {k: _chunk_bytes(stores[k], r.version) for k, r in res.items()}
             print(f"| {s} | {ch / res['v1'].total_elements:.3%} | {8 * b['v1'] / ch:.2f} | {8 * b['v2'] / ch:.2f} "
-                  f"| {8 * sl / ch:.2f} | {b['v2'] / b['v1']:.3f} |")
-            for k, v in (("v1", b["v1"]), ("v2", b["v2"]), ("slime", sl), ("changed", ch)):
+                  f"| {8 * sl / ch:.2f} | {b['v2'] / b['v1']:.3f} | {8 * c['v1'] / ch:.2f} | {8 * c['v2'] / ch:.2f} "
+                  f"| {b['v2'] - c['v2']:,} |")
+            for k, v in (("v1", b["v1"]), ("v2", b["v2"]), ("slime", sl), ("changed", ch), ("v1c", c["v1"]),
+                         ("v2c", c["v2"])):
                 tot[k] += v
-                if s <= 5 and k != "slime":
+                if s <= 5:
                     early[k] += v
         prev = cur
-    print(f"| 1-{steps} | | {8 * tot['v1'] / tot['changed']:.2f} | {8 * tot['v2'] / tot['changed']:.2f} "
-          f"| {8 * tot['slime'] / tot['changed']:.2f} | {tot['v2'] / tot['v1']:.3f} |")
-    print(f"| 1-5 | | {8 * early['v1'] / early['changed']:.2f} | {8 * early['v2'] / early['changed']:.2f} | | |")
+    for label, t in ((f"1-{steps}", tot), ("1-5", early)):
+        print(f"| {label} | | {8 * t['v1'] / t['changed']:.2f} | {8 * t['v2'] / t['changed']:.2f} "
+              f"| {8 * t['slime'] / t['changed']:.2f} | {t['v2'] / t['v1']:.3f} | {8 * t['v1c'] / t['changed']:.2f} "
+              f"| {8 * t['v2c'] / t['changed']:.2f} | |")
     print("keyframe (step 0): " + ", ".join(f"{k} {r.ratio:.1%} of bf16 ({8 * r.bytes_written / r.total_elements:.2f} "
                                              f"bits/element)" for k, r in kf.items()))
 
