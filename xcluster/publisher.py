@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import heap
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
 from .codec.encode import CodecConfig, EncodedVersion, encode_version
 from .commit import Committer, LateCommitError, seal
@@ -271,11 +272,14 @@ class Publisher:
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
         try:
-            return self._publish_once(state_dict, step, force_keyframe)
-        except LateCommitError as exc:
-            log.warning("%s; publishing this state as version %d, a keyframe", exc, self.version + 1)
-            self._base = None
-            return self._publish_once(state_dict, step, force_keyframe)
+            try:
+                return self._publish_once(state_dict, step, force_keyframe)
+            except LateCommitError as exc:
+                log.warning("%s; publishing this state as version %d, a keyframe", exc, self.version + 1)
+                self._base = None
+                return self._publish_once(state_dict, step, force_keyframe)
+        finally:
+            heap.release()  # what the version freed (a delta's change positions among it): the next starts lean
 
     def _publish_once(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()
@@ -344,6 +348,7 @@ class Publisher:
         # committed: advance our view and bring the private base up to date
         delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
         if is_key or on_device:
+            heap.release()  # the encode's and upload's freed temporaries, before a model-sized copy
             owned = host_new if on_device else {n: t.clone() for n, t in new.items()}  # the old base is gone
             self._base = BaseCopy.of(new, owned, {e.name: e.digest for e in encoded.tensors},
                                      on_device=on_device and cfg.base_on == "device", reuse=self._base)
