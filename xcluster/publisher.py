@@ -29,6 +29,7 @@ from .commit import Committer, LateCommitError, seal
 from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
+from .failures import raise_first_failure
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
                      check_tensor_name, chunk_key, manifest_key, manifest_name_for, schema_for)
@@ -447,11 +448,8 @@ def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: 
             written.append(key)
             total += len(data)
             futures.append(pool.submit(upload, key, data))
-            for f in futures:  # fail fast if an upload already failed
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
+            raise_first_failure(futures, done_only=True)  # fail fast if an upload already failed
 
         encoded = encode_version(new, digests, base, config.codec, emit, chunk_prefix=chunk_prefix)
-        for f in futures:
-            f.result()
+        raise_first_failure(futures)
     return encoded, total

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber
+from xcluster.errors import StoreError
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
@@ -50,3 +55,27 @@ def test_a_keyframe_is_encoded_without_the_old_base_and_deltas_stay_right(tmp_pa
     sub = Subscriber(store=store)
     assert sub.sync() == 4
     assert_state_equal(sub.state_dict(), s3)
+
+
+class _FailingChunks(_WatchingStore):
+    def put(self, key, data, **kw):
+        if key.endswith(".xc"):
+            raise StoreError(f"{key}: disk full")
+        return self.inner.put(key, data, **kw)
+
+
+def test_a_failed_publish_keeps_no_caller_weights(tmp_path):
+    """An upload's failure, held by its future, must not reach back to the publisher's frames (a
+    cycle: the caller's weights would stay until the cycle collector runs)."""
+    pub = Publisher(store=_FailingChunks(LocalStore(tmp_path, fsync=False)), config=PublisherConfig())
+    gc.collect()
+    gc.disable()
+    try:
+        state = _state(0)
+        ref = weakref.ref(state["a"])
+        with pytest.raises(StoreError, match="disk full"):
+            pub.publish(state)
+        del state
+        assert ref() is None, "the caller's weights outlived the failed publish"
+    finally:
+        gc.enable()
