@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,3 +80,15 @@ def test_a_failed_publish_keeps_no_caller_weights(tmp_path):
         assert ref() is None, "the caller's weights outlived the failed publish"
     finally:
         gc.enable()
+
+
+def test_a_deltas_change_positions_are_kept_as_uint32():
+    """They live until the version is committed (the base update): a delta's largest array."""
+    from xcluster.codec.encode import CodecConfig, encode_version
+
+    base = {"w": torch.zeros(3, 5000, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1)[[3, 14_999]] = 1
+    enc = encode_version(new, {"w": "-"}, base, CodecConfig(block_bytes=4096, chunk_bytes=4096), lambda e, d: None)
+    pos = [p for _, p, _ in enc.update.points]
+    assert all(p.dtype == np.uint32 for p in pos) and np.concatenate(pos).tolist() == [3, 14_999]
