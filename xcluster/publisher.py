@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import heap
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
 from .codec.encode import CodecConfig, EncodedVersion, encode_version
 from .commit import Committer, LateCommitError, seal
 from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
+from .failures import raise_first_failure
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
                      check_tensor_name, chunk_key, manifest_key, manifest_name_for, schema_for)
@@ -271,11 +273,14 @@ class Publisher:
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
         try:
-            return self._publish_once(state_dict, step, force_keyframe)
-        except LateCommitError as exc:
-            log.warning("%s; publishing this state as version %d, a keyframe", exc, self.version + 1)
-            self._base = None
-            return self._publish_once(state_dict, step, force_keyframe)
+            try:
+                return self._publish_once(state_dict, step, force_keyframe)
+            except LateCommitError as exc:
+                log.warning("%s; publishing this state as version %d, a keyframe", exc, self.version + 1)
+                self._base = None
+                return self._publish_once(state_dict, step, force_keyframe)
+        finally:
+            heap.release()  # what the version freed (a delta's change positions among it): the next starts lean
 
     def _publish_once(self, state_dict, step, force_keyframe) -> PublishResult:
         t0 = time.perf_counter()
@@ -344,6 +349,7 @@ class Publisher:
         # committed: advance our view and bring the private base up to date
         delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
         if is_key or on_device:
+            heap.release()  # the encode's and upload's freed temporaries, before a model-sized copy
             owned = host_new if on_device else {n: t.clone() for n, t in new.items()}  # the old base is gone
             self._base = BaseCopy.of(new, owned, {e.name: e.digest for e in encoded.tensors},
                                      on_device=on_device and cfg.base_on == "device", reuse=self._base)
@@ -442,11 +448,8 @@ def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: 
             written.append(key)
             total += len(data)
             futures.append(pool.submit(upload, key, data))
-            for f in futures:  # fail fast if an upload already failed
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
+            raise_first_failure(futures, done_only=True)  # fail fast if an upload already failed
 
         encoded = encode_version(new, digests, base, config.codec, emit, chunk_prefix=chunk_prefix)
-        for f in futures:
-            f.result()
+        raise_first_failure(futures)
     return encoded, total

@@ -20,6 +20,7 @@ import logging
 import random
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -120,8 +121,10 @@ def retrying(policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        log.warning("transient store failure (attempt %d of %d), retrying: %r",
-                    state.attempt_number, policy.attempts, exc)
+        # the failure as text: a handler that keeps records (log capture) would otherwise keep it,
+        # and through its traceback every caller's frame
+        log.warning("transient store failure (attempt %d of %d), retrying: %s",
+                    state.attempt_number, policy.attempts, repr(exc))
         if on_retry is not None and exc is not None:
             on_retry(exc, state.attempt_number)
 
@@ -138,12 +141,36 @@ def retrying(policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep
 
 def call_with_retries(what: str, fn: Callable[[], T], retryer: tenacity.Retrying) -> T:
     """Run ``fn`` under ``retryer``; on a spent budget raise :class:`RetriesExhaustedError`
-    naming ``what`` (the object and operation), chained to the last failure."""
+    naming ``what`` (the object and operation), chained to the last failure.
+
+    A failure leaves no reference cycle behind: see :func:`_release`."""
     try:
         return retryer(fn)
     except tenacity.RetryError as err:
-        last = err.last_attempt.exception()
-        raise RetriesExhaustedError(
-            f"{what}: still failing after {err.last_attempt.attempt_number} attempts "
-            f"({last!r}); the store is unreachable or overloaded — check the endpoint, "
-            "or raise the retry attempts/deadline") from last
+        _release(err, err.last_attempt.exception())
+        raise _exhausted(what, err.last_attempt) from err.last_attempt.exception()
+    except BaseException as exc:
+        _release(exc)
+        raise
+
+
+def _exhausted(what: str, last: tenacity.Future) -> RetriesExhaustedError:
+    # built here, not in call_with_retries: a local there holding the last failure would be a
+    # cycle (the failure's traceback holds that frame)
+    return RetriesExhaustedError(
+        f"{what}: still failing after {last.attempt_number} attempts ({last.exception()!r}); the store is "
+        "unreachable or overloaded — check the endpoint, or raise the retry attempts/deadline")
+
+
+def _release(*failures: BaseException | None) -> None:
+    """Clear the locals of the finished frames on the failures' tracebacks.
+
+    tenacity keeps each failure in its retry state, a local of its own frame on that failure's
+    traceback: a reference cycle. Every frame reaches its callers' through ``f_back``, so the
+    cycle would hold all of them, with their locals (a publisher's: the caller's weights), until
+    the cycle collector happens to run: up to a model's worth of memory kept past the publish
+    (bench/memory.py). Frames still running (ours and above) are left alone; so are callers'
+    locals, so nothing there may hold a failure either."""
+    for exc in failures:
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import numpy as np
+import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber
+from xcluster.errors import StoreError
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
@@ -50,3 +56,39 @@ def test_a_keyframe_is_encoded_without_the_old_base_and_deltas_stay_right(tmp_pa
     sub = Subscriber(store=store)
     assert sub.sync() == 4
     assert_state_equal(sub.state_dict(), s3)
+
+
+class _FailingChunks(_WatchingStore):
+    def put(self, key, data, **kw):
+        if key.endswith(".xc"):
+            raise StoreError(f"{key}: disk full")
+        return self.inner.put(key, data, **kw)
+
+
+def test_a_failed_publish_keeps_no_caller_weights(tmp_path):
+    """An upload's failure, held by its future, must not reach back to the publisher's frames (a
+    cycle: the caller's weights would stay until the cycle collector runs)."""
+    pub = Publisher(store=_FailingChunks(LocalStore(tmp_path, fsync=False)), config=PublisherConfig())
+    gc.collect()
+    gc.disable()
+    try:
+        state = _state(0)
+        ref = weakref.ref(state["a"])
+        with pytest.raises(StoreError, match="disk full"):
+            pub.publish(state)
+        del state
+        assert ref() is None, "the caller's weights outlived the failed publish"
+    finally:
+        gc.enable()
+
+
+def test_a_deltas_change_positions_are_kept_as_uint32():
+    """They live until the version is committed (the base update): a delta's largest array."""
+    from xcluster.codec.encode import CodecConfig, encode_version
+
+    base = {"w": torch.zeros(3, 5000, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1)[[3, 14_999]] = 1
+    enc = encode_version(new, {"w": "-"}, base, CodecConfig(block_bytes=4096, chunk_bytes=4096), lambda e, d: None)
+    pos = [p for _, p, _ in enc.update.points]
+    assert all(p.dtype == np.uint32 for p in pos) and np.concatenate(pos).tolist() == [3, 14_999]

@@ -213,7 +213,7 @@ class ScannedRange:
     width: int
     seg: _Seg
     nnz: int
-    positions: np.ndarray | None  # sparse-sub: absolute int64 positions
+    positions: np.ndarray | None  # sparse-sub: absolute positions (uint32 or int64)
     values: np.ndarray | None  # torch scan: the new raw bits there (sparse) or of the range (dense)
 
 
@@ -262,7 +262,15 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     if (exp_dtype := _exp_dtype(new, config)) is not None:
         encoding, pieces = _smaller(pieces, expgroup.build(onp, pos, z, exp_dtype), config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
-    return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, pos + r.start, None)
+    return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()), None)
+
+
+def _absolute(pos: np.ndarray, start: int, numel: int) -> np.ndarray:
+    """Absolute positions of a range's changes, kept for the base update until the version is
+    committed (a delta's largest array): uint32 where the tensor allows, half of int64."""
+    if numel <= 1 << 32:
+        return np.add(pos, start, dtype=np.uint32, casting="unsafe")
+    return pos + start
 
 
 def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:

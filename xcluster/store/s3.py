@@ -40,6 +40,7 @@ import xxhash
 from ..errors import (ConditionalWritesUnsupportedError, CorruptReadError, ObjectNotFoundError,
                       ObjectTooLargeError, PreconditionFailedError, RetriesExhaustedError,
                       ShortReadError, StoreError, XclusterError)
+from ..failures import raise_first_failure
 from ..retry import call_with_retries, retrying
 from .base import Blob, Stat, check_key, check_prefix
 from .s3config import S3_MAX_PARTS, S3Config
@@ -297,11 +298,7 @@ class S3Store:
         with ThreadPoolExecutor(workers, thread_name_prefix="xc-s3") as pool:
             futures = [pool.submit(tracked, i) for i in range(count)]
             wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
+            raise_first_failure(futures, cancel_pending=True)
         return results
 
     # --- conditional-write support ------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""A failed store call leaves no reference cycle behind.
+
+tenacity keeps the failure in its retry state, a local of a frame on that failure's own
+traceback: a cycle, and through the frames' ``f_back`` it held every caller's frame (a
+publisher's, with the model's weights in its locals) until the cycle collector happened to run.
+On S3 that was one model's worth of memory at the next version (bench/memory.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from xcluster.errors import ObjectNotFoundError, RetriesExhaustedError, TransientStoreError
+from xcluster.retry import RetryPolicy, call_with_retries, retrying
+
+NO_WAIT = RetryPolicy(attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, jitter_s=0.0)
+
+
+class _Weights:
+    """Stands for a caller's tensors: something only that caller's frame holds."""
+
+
+def _caller_of(fn) -> tuple[weakref.ref, BaseException]:
+    weights = _Weights()
+    try:
+        call_with_retries("s3://b/k: get", fn, retrying(NO_WAIT, sleep=lambda s: None))
+    except Exception as exc:
+        return weakref.ref(weights), exc
+    raise AssertionError("the call did not fail")
+
+
+def _missing():
+    raise ObjectNotFoundError("s3://b/k: no such object")
+
+
+def _transient():
+    raise TransientStoreError("s3://b/k: 503")
+
+
+@pytest.mark.parametrize("fn, raised", [(_missing, ObjectNotFoundError), (_transient, RetriesExhaustedError)],
+                         ids=["not retried", "retries exhausted"])
+def test_a_failed_call_keeps_no_caller_alive(fn, raised):
+    gc.collect()
+    gc.disable()  # what reference counting alone frees
+    try:
+        ref, exc = _caller_of(fn)
+        assert isinstance(exc, raised)
+        del exc
+        assert ref() is None, "the caller's frame outlived the call: a reference cycle holds it"
+    finally:
+        gc.enable()
