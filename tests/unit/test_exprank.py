@@ -86,3 +86,26 @@ def test_numba_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv(exprank.NO_COMPILE_ENV)
         exprank._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+def test_kernels_compile_in_memory_when_numba_cannot_cache(monkeypatch):
+    import numba
+
+    real = numba.njit
+
+    def njit(*args, **kw):
+        if kw.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    exprank._kernels.cache_clear()
+    try:
+        assert exprank.compiled()
+        bits = np.arange(64, dtype=np.uint16) << np.uint16(7)
+        g, r, _ = exprank.ranks(bits, np.array([3, 5]), 7, 0xFF)
+        assert g.tolist() == [3, 5] and r.tolist() == [0, 0]
+    finally:
+        monkeypatch.undo()
+        exprank._kernels.cache_clear()

@@ -109,10 +109,10 @@ def _select_numpy(bits, present, starts, ranks, shift, mask, ng):
 
 
 # --- compiled ---------------------------------------------------------------------------------
-def _compiled_kernels():
+def _compiled_kernels(cache: bool = True):
     from numba import njit
 
-    opts = dict(nogil=True, cache=True, boundscheck=False)
+    opts = dict(nogil=True, cache=cache, boundscheck=False)
 
     @njit(**opts)
     def ranks(bits, pos, shift, mask, ng):
@@ -205,8 +205,13 @@ def _kernels():
         return None
     try:
         return _compiled_kernels()
-    except Exception:  # numba absent or unusable on this platform: numpy gives the same results
+    except ImportError:  # numba absent: numpy gives the same results
         return None
+    except Exception:  # e.g. no writable place for numba's on-disk cache: compile in memory
+        try:
+            return _compiled_kernels(cache=False)
+        except Exception:  # numba unusable on this platform
+            return None
 
 
 def compiled() -> bool:
