@@ -143,14 +143,14 @@ def call_with_retries(what: str, fn: Callable[[], T], retryer: tenacity.Retrying
     """Run ``fn`` under ``retryer``; on a spent budget raise :class:`RetriesExhaustedError`
     naming ``what`` (the object and operation), chained to the last failure.
 
-    A failure leaves no reference cycle behind: see :func:`_release`."""
+    A failure leaves no reference cycle behind: see :func:`release_failures`."""
     try:
         return retryer(fn)
     except tenacity.RetryError as err:
-        _release(err, err.last_attempt.exception())
+        release_failures(err, err.last_attempt.exception())
         raise _exhausted(what, err.last_attempt) from err.last_attempt.exception()
     except BaseException as exc:
-        _release(exc)
+        release_failures(exc)
         raise
 
 
@@ -162,7 +162,7 @@ def _exhausted(what: str, last: tenacity.Future) -> RetriesExhaustedError:
         "unreachable or overloaded — check the endpoint, or raise the retry attempts/deadline")
 
 
-def _release(*failures: BaseException | None) -> None:
+def release_failures(*failures: BaseException | None) -> None:
     """Clear the locals of the finished frames on the failures' tracebacks.
 
     tenacity keeps each failure in its retry state, a local of its own frame on that failure's

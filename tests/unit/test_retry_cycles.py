@@ -52,3 +52,29 @@ def test_a_failed_call_keeps_no_caller_alive(fn, raised):
         assert ref() is None, "the caller's frame outlived the call: a reference cycle holds it"
     finally:
         gc.enable()
+
+
+def test_a_failed_engine_hand_off_keeps_no_caller_alive(tmp_path):
+    from xcluster.errors import HandoffError
+    from xcluster.follow.handoff import EXIT_TEMPFAIL, ExecHandoff, HandoffConfig
+
+    engine = ExecHandoff(["sh", "-c", f"exit {EXIT_TEMPFAIL}"], sleep=lambda s: None,
+                         config=HandoffConfig(attempts=2, backoff_s=0.0, backoff_max_s=0.0))
+
+    def caller() -> tuple[weakref.ref, BaseException]:
+        weights = _Weights()
+        try:
+            engine.hand_over(tmp_path, 1)
+        except HandoffError as exc:
+            return weakref.ref(weights), exc
+        raise AssertionError("the hand-off did not fail")
+
+    gc.collect()
+    gc.disable()
+    try:
+        ref, exc = caller()
+        assert "still failing after 2 attempts" in str(exc)
+        del exc
+        assert ref() is None, "the caller's frame outlived the hand-off: a reference cycle holds it"
+    finally:
+        gc.enable()

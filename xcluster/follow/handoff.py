@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 import tenacity
 
 from ..errors import ConfigError, HandoffError, TransientHandoffError
+from ..retry import release_failures
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,7 +124,7 @@ class _Retrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.warning("%s hand-off: %s failed (attempt %d of %d), retrying: %s", self.name, what,
-                        state.attempt_number, self.config.attempts, exc)
+                        state.attempt_number, self.config.attempts, str(exc))  # text: a kept record holds no stack
 
         retryer = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientHandoffError),
@@ -132,11 +133,17 @@ class _Retrying:
             sleep=self._sleep, before_sleep=before_sleep, reraise=False)
         try:
             return retryer(attempt), attempts
-        except tenacity.RetryError as err:
-            last = err.last_attempt.exception()
-            raise HandoffError(f"{self.name} hand-off: {what} still failing after {attempts} attempts "
-                               f"({last}); check that the engine is up and reachable, or raise "
-                               "HandoffConfig.attempts/timeout_s") from last
+        except tenacity.RetryError as err:  # no local may hold the failure: see release_failures
+            release_failures(err, err.last_attempt.exception())
+            raise self._exhausted(what, attempts, err.last_attempt) from err.last_attempt.exception()
+        except BaseException as exc:
+            release_failures(exc)
+            raise
+
+    def _exhausted(self, what: str, attempts: int, last: tenacity.Future) -> HandoffError:
+        return HandoffError(f"{self.name} hand-off: {what} still failing after {attempts} attempts "
+                            f"({last.exception()}); check that the engine is up and reachable, or raise "
+                            "HandoffConfig.attempts/timeout_s")
 
 
 def _real_dir(path: Path | str) -> Path:
