@@ -63,7 +63,7 @@ def groups_of(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Groups and ranks of the changed positions ``pos`` (sorted, relative to the range ``old``):
     ``(order, ranks, sizes, counts)`` where ``order`` lists indices into ``pos`` in **change
     order** (by group, then position), ``ranks`` the rank of each in that order, ``sizes`` the size
