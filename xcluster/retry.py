@@ -16,6 +16,7 @@ loaded, so it is looked up in ``sys.modules``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import sys
@@ -139,16 +140,19 @@ def retrying(policy: RetryPolicy, *, sleep: Callable[[float], None] = time.sleep
     )
 
 
-def call_with_retries(what: str, fn: Callable[[], T], retryer: tenacity.Retrying) -> T:
-    """Run ``fn`` under ``retryer``; on a spent budget raise :class:`RetriesExhaustedError`
-    naming ``what`` (the object and operation), chained to the last failure.
+def call_with_retries(what: str, fn: Callable[[], T], retryer: tenacity.Retrying, *,
+                      exhausted: Callable[[tenacity.Future], BaseException] | None = None) -> T:
+    """Run ``fn`` under ``retryer``; on a spent budget raise ``exhausted(last attempt)`` (default:
+    :class:`RetriesExhaustedError` naming ``what``, the object and operation), chained to the last
+    failure.
 
     A failure leaves no reference cycle behind: see :func:`release_failures`."""
     try:
         return retryer(fn)
     except tenacity.RetryError as err:
         release_failures(err, err.last_attempt.exception())
-        raise _exhausted(what, err.last_attempt) from err.last_attempt.exception()
+        raise (exhausted or functools.partial(_exhausted, what))(err.last_attempt) \
+            from err.last_attempt.exception()
     except BaseException as exc:
         release_failures(exc)
         raise

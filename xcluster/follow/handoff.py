@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 import tenacity
 
 from ..errors import ConfigError, HandoffError, TransientHandoffError
-from ..retry import release_failures
+from ..retry import call_with_retries
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,17 +131,12 @@ class _Retrying:
             stop=tenacity.stop_after_attempt(self.config.attempts),
             wait=tenacity.wait_exponential(multiplier=self.config.backoff_s, max=self.config.backoff_max_s),
             sleep=self._sleep, before_sleep=before_sleep, reraise=False)
-        try:
-            return retryer(attempt), attempts
-        except tenacity.RetryError as err:  # no local may hold the failure: see release_failures
-            release_failures(err, err.last_attempt.exception())
-            raise self._exhausted(what, attempts, err.last_attempt) from err.last_attempt.exception()
-        except BaseException as exc:
-            release_failures(exc)
-            raise
+        result = call_with_retries(what, attempt, retryer,
+                                   exhausted=lambda last: self._exhausted(what, last))
+        return result, attempts
 
-    def _exhausted(self, what: str, attempts: int, last: tenacity.Future) -> HandoffError:
-        return HandoffError(f"{self.name} hand-off: {what} still failing after {attempts} attempts "
+    def _exhausted(self, what: str, last: tenacity.Future) -> HandoffError:
+        return HandoffError(f"{self.name} hand-off: {what} still failing after {last.attempt_number} attempts "
                             f"({last.exception()}); check that the engine is up and reachable, or raise "
                             "HandoffConfig.attempts/timeout_s")
 
