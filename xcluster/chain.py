@@ -2,8 +2,9 @@
 
 Everything that reads a store's versions — the subscriber, ``xcluster ls/verify/status/gc``, a
 relay — goes through these functions, so a manifest is read one way: at most
-``MAX_MANIFEST_BYTES + 1`` bytes, its hash checked against the link that named it (HEAD or the
-successor's ``base_manifest_xxh3_128``) before it is parsed, its version checked against its key.
+``MAX_MANIFEST_BYTES + 1`` bytes, unpacked when it is stored packed (manifest_object.py), its hash
+checked against the link that named it (HEAD or the successor's ``base_manifest_xxh3_128``) before
+it is parsed, its version checked against its key.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .errors import (ChainBrokenError, ChecksumMismatchError, FormatError, Objec
                      RunMismatchError, SignatureError, XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
                      parse_manifest, xxh3_128)
+from .manifest_object import unpack
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class LinkedManifest:
     manifest: Manifest
     link: Link
     data: bytes
+    """The canonical JSON (what the link's hash covers)."""
+    stored: bytes
+    """The object's bytes as stored (``data`` itself, or its zstd frame for a packed manifest)."""
 
     @property
     def version(self) -> int:
@@ -95,27 +100,33 @@ def read_manifest(store: Store, link: Link, *, retries: int = 2,
     raises :class:`ChainBrokenError`."""
     key = link.key
     where = f"{store.url}/{key}"
-    got = ""
+    problem = ""
     for attempt in range(retries + 1):
         try:  # bounded read: a hostile object cannot make us allocate more than the limit
-            data = store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
+            stored = store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError:
             raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
                                    "(retention removed it?); the next keyframe repairs this") from None
-        got = xxh3_128(data)
-        if got == link.xxh3_128:
-            break
-        msg = f"{where} hashes to {got}, expected {link.xxh3_128} (attempt {attempt + 1} of {retries + 1})"
+        try:
+            data = unpack(link.manifest, stored, where=where)
+        except FormatError as exc:  # a packed manifest garbled in transit: like a hash mismatch, re-read
+            problem = f"does not unpack ({exc})"
+        else:
+            got = xxh3_128(data)
+            if got == link.xxh3_128:
+                break
+            problem = f"hashes to {got}"
+        msg = f"{where} {problem}, expected {link.xxh3_128} (attempt {attempt + 1} of {retries + 1})"
         log.warning(msg)
         if on_retry is not None:
             on_retry(msg)
     else:
-        raise ChecksumMismatchError(f"{where} hashes to {got}, its successor says {link.xxh3_128}: "
+        raise ChecksumMismatchError(f"{where} {problem}, its successor says {link.xxh3_128}: "
                                     "the manifest is corrupt or was replaced")
     m = parse_manifest(data, where=where)
     if m.version != link.version:
         raise FormatError(f"{where} says it is version {m.version}")
-    return LinkedManifest(m, link, data)
+    return LinkedManifest(m, link, data, stored)
 
 
 def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,

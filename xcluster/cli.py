@@ -22,14 +22,15 @@ def _human(n: float) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     from .chain import Link, read_head, read_manifest
     from .errors import ChainBrokenError
-    from .format import manifest_key, parse_manifest
+    from .format import is_manifest_name, manifest_key, parse_manifest
+    from .manifest_object import unpack
     from .store import open_store
 
     store = open_store(args.url)
     head, _ = read_head(store)
     found: dict[int, list[str]] = {}
     for k in store.list("versions/"):
-        if (m := re.fullmatch(r"versions/(\d{12})/(manifest(?:-[a-z0-9]{1,32})?\.json)", k)):
+        if (m := re.fullmatch(r"versions/(\d{12})/([^/]+)", k)) and is_manifest_name(m.group(2)):
             found.setdefault(int(m.group(1)), []).append(m.group(2))
     if not found:
         print(f"{args.url}: no versions")
@@ -53,7 +54,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             key = manifest_key(v, name)
             data = store.get(key).data
             try:
-                m = parse_manifest(data, where=key)
+                m = parse_manifest(unpack(name, data, where=key), where=key)
             except XclusterError as exc:
                 print(f"{v:>8} {'?':<9} {'':>6} {'':>6} {'':>6} {'':>11} {'':>8} {'':>8} {'':<20} unreadable: {exc}")
                 continue

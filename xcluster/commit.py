@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .chain import read_head
-from .errors import ConcurrentPublisherError, PreconditionFailedError, XclusterError
-from .format import HEAD_KEY, Head, Manifest, manifest_key, parse_manifest, xxh3_128
+from .errors import ConcurrentPublisherError, FormatError, PreconditionFailedError, XclusterError
+from .format import (HEAD_KEY, MAX_MANIFEST_BYTES, PACKED_HEAD_SCHEMA_VERSION, SCHEMA_VERSION, Head, Manifest,
+                     manifest_key, parse_manifest, xxh3_128)
+from .manifest_object import is_packed, pack, unpack
 from .store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,15 +46,17 @@ class LateCommitError(XclusterError):
 
 def seal(manifest: Manifest, manifest_name: str, *, committed_unix_ms: int, run_id: str | None,
          signer: Signer | None, where: str) -> tuple[bytes, Head]:
-    """The bytes of ``manifest`` (signed when a signer is given), checked to be what a reader
-    takes, and the HEAD that names them (signed too): what :meth:`Committer.commit` writes."""
+    """The canonical bytes of ``manifest`` (signed when a signer is given), checked to be what a
+    reader takes, and the HEAD that names them (signed too): what :meth:`Committer.commit` writes
+    (packed into one zstd frame when ``manifest_name`` ends in ``.zst``, FORMAT.md §3a)."""
     if signer is not None:
         manifest = signer.sign(manifest)
     data = manifest.to_bytes()
     parse_manifest(data, where=where)  # never commit what no reader takes
     head = Head(version=manifest.version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
                 manifest_xxh3_128=xxh3_128(data), committed_unix_ms=committed_unix_ms, manifest=manifest_name,
-                run_id=run_id)
+                run_id=run_id,
+                schema_version=PACKED_HEAD_SCHEMA_VERSION if is_packed(manifest_name) else SCHEMA_VERSION)
     return data, head if signer is None else signer.sign(head)
 
 
@@ -63,6 +67,8 @@ class CommitOutcome:
     head: Head
     head_bytes: int
     etag: str
+    manifest_bytes: int
+    """The manifest object's stored size (packed or not)."""
 
 
 class Committer:
@@ -103,7 +109,8 @@ class Committer:
 
     def commit(self, head: Head, manifest_data: bytes, *, tags: Mapping[str, str] | None = None,
                clock: Callable[[], float] | None = None) -> CommitOutcome:
-        """Write the manifest ``head`` names (create-once), then swap HEAD to ``head``.
+        """Write the manifest ``head`` names (create-once; ``manifest_data`` is its canonical JSON,
+        stored as ``head.manifest`` says), then swap HEAD to ``head``.
 
         Raises :class:`ConcurrentPublisherError` when HEAD moved under this writer. Any other
         failure leaves the manifest (and its chunks) in place: see the module docstring."""
@@ -111,11 +118,12 @@ class Committer:
         mhash = xxh3_128(manifest_data)
         assert mhash == head.manifest_xxh3_128
         key = manifest_key(head.version, head.manifest)
+        stored = pack(head.manifest, manifest_data)
         try:
-            self.store.put(key, manifest_data, if_none_match=True, tags=tags)
+            self.store.put(key, stored, if_none_match=True, tags=tags)
         except PreconditionFailedError:
             # a retried request of ours that landed the first time (names are unique per attempt)
-            if xxh3_128(self.store.get_range(key, 0, len(manifest_data) + 1)) != mhash:
+            if not self._holds(key, head.manifest, mhash):
                 raise ConcurrentPublisherError(
                     f"{self.store.url}/{key} exists with other content: attempt ids collided or another "
                     "publisher reuses this one's; run one publisher per prefix") from None
@@ -154,7 +162,15 @@ class Committer:
             raise
         self.head, self.etag = head, etag
         self._given_up.clear()
-        return CommitOutcome(head=head, head_bytes=len(data), etag=etag)
+        return CommitOutcome(head=head, head_bytes=len(data), etag=etag, manifest_bytes=len(stored))
+
+    def _holds(self, key: str, name: str, mhash: str) -> bool:
+        """Whether the manifest object at ``key`` holds the manifest hashing to ``mhash``."""
+        where = f"{self.store.url}/{key}"
+        try:
+            return xxh3_128(unpack(name, self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1), where=where)) == mhash
+        except FormatError:
+            return False
 
     def _landed(self, head: Head) -> str | None:
         """After a HEAD write failed without a verdict: the new etag if it landed, else None

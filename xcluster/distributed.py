@@ -355,7 +355,7 @@ class ShardedPublisher:
         try:
             file_bytes = self._files.upload()
             manifest = self._assemble(parts, version, is_key, attempt, step)
-            mname = manifest_name_for(attempt)
+            mname = manifest_name_for(attempt, packed=self.config.compress_manifest)
             committed = self._clock()
             mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
                                 signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
@@ -365,7 +365,7 @@ class ShardedPublisher:
         except Exception as exc:  # noqa: BLE001 - every rank raises it
             self._commit_exc = exc
             return {"error": f"rank 0: {type(exc).__name__}: {exc}", "manifest_attempted": manifest_attempted}
-        delta_bytes = sum(p["bytes"] for p in parts) + len(mbytes) + outcome.head_bytes
+        delta_bytes = sum(p["bytes"] for p in parts) + outcome.manifest_bytes + outcome.head_bytes
         if is_key:
             self._keyframe_version, self._since_keyframe = version, 0
             self._keyframe_bytes, self._chain_bytes = delta_bytes, 0

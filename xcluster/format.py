@@ -35,6 +35,11 @@ EXP_SCHEMA_VERSION = 4
 a reader without it refuses the version by its schema version, with an "upgrade" message, before
 fetching anything. HEAD stays at 2."""
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+PACKED_HEAD_SCHEMA_VERSION = 3
+"""A HEAD that names a packed manifest (``manifest-<attempt>.json.zst``, one zstd frame of the
+canonical JSON, xcluster/manifest_object.py) declares schema 3, so that a reader that cannot
+unpack it refuses HEAD by its schema version, with an "upgrade" message. Manifests keep theirs."""
+HEAD_SCHEMA_VERSIONS = (1, 2, 3)
 MAX_PARTS = 1 << 16
 """At most this many parts per tensor."""
 MANIFEST_FORMAT = "xcluster-manifest"
@@ -81,7 +86,7 @@ KIND_TAG = "xcluster-kind"
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,511}")
 _CHUNK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,99}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
-_MANIFEST_NAME = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
+_MANIFEST_NAME = re.compile(r"manifest\.json|manifest-[a-z0-9]{1,32}\.json(\.zst)?")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _RUN_ID = re.compile(r"[a-z0-9]{1,32}")
@@ -105,8 +110,14 @@ def check_chunk_name(name: Any) -> str:
 
 def check_manifest_name(name: Any) -> str:
     if not isinstance(name, str) or not _MANIFEST_NAME.fullmatch(name):
-        raise UnsafeNameError(f"manifest name {name!r} is not allowed: manifest[-<1-32 of a-z0-9>].json")
+        raise UnsafeNameError(f"manifest name {name!r} is not allowed: manifest.json, or "
+                              "manifest-<1-32 of a-z0-9>.json, or that with .zst appended")
     return name
+
+
+def is_manifest_name(name: str) -> bool:
+    """Whether an object name under ``versions/<V>/`` is a manifest's (of any attempt, packed or not)."""
+    return bool(_MANIFEST_NAME.fullmatch(name))
 
 
 def check_file_name(name: Any) -> str:
@@ -136,8 +147,10 @@ def manifest_key(version: int, name: str = V1_MANIFEST_NAME) -> str:
     return f"{version_dir(version)}/{check_manifest_name(name)}"
 
 
-def manifest_name_for(attempt: str) -> str:
-    return check_manifest_name(f"manifest-{attempt}.json")
+def manifest_name_for(attempt: str, *, packed: bool = False) -> str:
+    """The manifest object of a commit attempt: ``manifest-<attempt>.json``, or with ``packed``
+    ``manifest-<attempt>.json.zst`` (the canonical JSON as one zstd frame, FORMAT.md §3a)."""
+    return check_manifest_name(f"manifest-{attempt}.json" + (".zst" if packed else ""))
 
 
 def file_key(xxh3: str) -> str:
@@ -756,7 +769,7 @@ class Head:
 
 
 def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
-    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT, versions=(1, 2))
+    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT, versions=HEAD_SCHEMA_VERSIONS)
     head = Head(version=_int(obj, "version", where, lo=1), kind=_str(obj, "kind", where, choices=KINDS),
                 keyframe_version=_int(obj, "keyframe_version", where, lo=1),
                 manifest_xxh3_128=_str(obj, "manifest_xxh3_128", where, pattern=_HEX128),
@@ -768,6 +781,9 @@ def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
             check_manifest_name(name)
         except UnsafeNameError as exc:
             raise FormatError(f"{where}: field 'manifest' is invalid: {exc}") from None
+        if name.endswith(".zst") != (head.schema_version >= PACKED_HEAD_SCHEMA_VERSION):
+            raise FormatError(f"{where}: a HEAD of schema {head.schema_version} names manifest {name!r}: schema "
+                              f"{PACKED_HEAD_SCHEMA_VERSION} names a packed manifest (.json.zst), schema 2 a plain one")
         signature, payload = _signature(obj, where)
         head = replace(head, manifest=name, run_id=_run_id(obj, where), signature=signature, signed_payload=payload)
     if head.keyframe_version > head.version:

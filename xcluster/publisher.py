@@ -88,6 +88,12 @@ class PublisherConfig:
     """The training run's id ([a-z0-9], at most 32), written into every manifest and HEAD (and so
     covered by the signature). None: continue the run HEAD names, or start a new random one. A
     different id than HEAD's is refused: one run per prefix."""
+    compress_manifest: bool = False
+    """Store each manifest as one zstd frame of its canonical JSON (``manifest-<attempt>.json.zst``,
+    FORMAT.md §3a): about a fifth of its bytes, which matters for deltas of models with many
+    tensors (the manifest lists every tensor's digest, the delta only the changes). Hashes and
+    signatures are unchanged. Opt-in because such a HEAD declares schema 3, which readers older
+    than it refuse: turn it on once every subscriber (and relay) reads it."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.keyframe_every <= MAX_CHAIN:
@@ -297,7 +303,7 @@ class Publisher:
         is_key = (self._base is None or force_keyframe is True
                   or (force_keyframe is None and self._keyframe_due()))
         attempt = self._attempt_id()
-        mname = manifest_name_for(attempt)
+        mname = manifest_name_for(attempt, packed=cfg.compress_manifest)
         tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
         chunks: list[str] = []
         manifest_attempted = False
@@ -347,7 +353,7 @@ class Publisher:
                 self._base = None
             raise
         # committed: advance our view and bring the private base up to date
-        delta_bytes = uploaded + len(mbytes) + outcome.head_bytes
+        delta_bytes = uploaded + outcome.manifest_bytes + outcome.head_bytes
         if is_key or on_device:
             heap.release()  # the encode's and upload's freed temporaries, before a model-sized copy
             owned = host_new if on_device else {n: t.clone() for n, t in new.items()}  # the old base is gone

@@ -189,7 +189,7 @@ class Relay:
         held = Link.of_head(have) if have is not None else None
         plan = walk_back(self.src, Link.of_head(head), stop=lambda lm: lm.link == held, max_chain=MAX_CHAIN,
                          retries=self.config.integrity_retries, on_retry=self._count_retry)
-        self._count(bytes_from_source=sum(len(lm.data) for lm in plan))
+        self._count(bytes_from_source=sum(len(lm.stored) for lm in plan))
         if held is not None and plan[0].link == held:
             plan = plan[1:]
         keyframe = False
@@ -225,8 +225,8 @@ class Relay:
             for _ in pool.map(lambda job: self._copy_object(*job), jobs):
                 pass  # map re-raises the first failure
         # the manifest last: nothing names it until DST's HEAD does, so rewriting it is harmless
-        self.dst.put(lm.link.key, lm.data, tags=tags)
-        self._count(bytes_to_destination=len(lm.data), versions_copied=1)
+        self.dst.put(lm.link.key, lm.stored, tags=tags)  # as stored: packed stays packed
+        self._count(bytes_to_destination=len(lm.stored), versions_copied=1)
 
     def _copy_object(self, key: str, size: int, digest: str, tags: dict[str, str] | None) -> None:
         try:

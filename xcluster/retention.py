@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 from .chain import Link, read_head, read_manifest
 from .errors import ConfigError, ObjectNotFoundError, XclusterError
-from .format import (KEYFRAME, MAX_MANIFEST_BYTES, Manifest, chunk_key, file_key, parse_lease, parse_manifest,
-                     version_dir)
+from .format import (KEYFRAME, MAX_MANIFEST_BYTES, Manifest, chunk_key, file_key, is_manifest_name, parse_lease,
+                     parse_manifest, version_dir)
+from .manifest_object import unpack
 from .store import Store
 
 log = logging.getLogger(__name__)
 _VERSION_KEY = re.compile(r"versions/(\d{12})/(.+)")
-_MANIFEST = re.compile(r"manifest(-[a-z0-9]{1,32})?\.json")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +162,7 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
 
 def _is_manifest_key(key: str) -> bool:
     m = _VERSION_KEY.fullmatch(key)
-    return bool(m and _MANIFEST.fullmatch(m.group(2)))
+    return bool(m and is_manifest_name(m.group(2)))
 
 
 def _manifests_of(store: Store, version: int) -> list[Manifest]:
@@ -171,7 +171,7 @@ def _manifests_of(store: Store, version: int) -> list[Manifest]:
     for k in store.list(version_dir(version) + "/"):
         if _is_manifest_key(k):
             try:
-                found.append(parse_manifest(store.get_range(k, 0, MAX_MANIFEST_BYTES + 1)))
+                found.append(parse_manifest(unpack(k, store.get_range(k, 0, MAX_MANIFEST_BYTES + 1), where=k)))
             except (XclusterError, ObjectNotFoundError):
                 continue
     return found

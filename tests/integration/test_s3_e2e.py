@@ -39,6 +39,8 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         sub_store._prefix, sub_store.url = pub_store._prefix, pub_store.url  # same prefix
         pub = xcluster.Publisher(store=pub_store,
                                  config=xcluster.PublisherConfig(keyframe_every=6))
+        # half-way the trainer restarts with packed manifests (FORMAT.md §3a): a keyframe, then deltas
+        packed = xcluster.PublisherConfig(keyframe_every=6, compress_manifest=True)
         applied = []
         sub = xcluster.Subscriber(store=sub_store, on_apply=applied.append)
         assert sub.sync() is None  # nothing published yet
@@ -47,6 +49,8 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         state, digests, kinds = None, {}, {}
         for step in range(12):
             state = _state(step, g, state)
+            if step == 6:
+                pub = xcluster.Publisher(store=pub_store, config=packed)
             result = pub.publish(state, step=step)
             digests[result.version] = model_digest(state)
             kinds[result.version] = result.kind
@@ -65,3 +69,5 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
           f"requests; retries pub {pub_store.stats.retries} sub {sub_store.stats.retries}; "
           f"corrupt reads caught by the store {sub_store.stats.corrupt_reads}; 0 corrupt applies")
     assert sum(proxy.counts.values()) > 0
+    names = [k.rsplit("/", 1)[1] for k in pub_store.list("versions/") if "/manifest-" in k]
+    assert sum(n.endswith(".json.zst") for n in names) >= 4 and sum(n.endswith(".json") for n in names) >= 4

@@ -1,0 +1,68 @@
+"""How a manifest's canonical bytes are stored as an object (docs/FORMAT.md §3a).
+
+``manifest-<attempt>.json`` holds the canonical JSON itself. ``manifest-<attempt>.json.zst``
+holds it as one zstd frame that declares its content size: about a fifth of the bytes (tensor
+names and the JSON around them repeat; the digests do not). Hashes, links and signatures always
+cover the canonical JSON, never the stored bytes, so a HEAD, a successor's link or a signature
+means the same whichever way the manifest is stored.
+
+Reading is bounded: at most ``MAX_MANIFEST_BYTES + 1`` stored bytes are fetched, and a frame must
+declare a content size of at most ``MAX_MANIFEST_BYTES`` before anything is decompressed, and
+inflate to exactly that (one frame, nothing after it). Torch-free, like the rest of the read path.
+"""
+
+from __future__ import annotations
+
+import zstandard
+
+from .errors import DecompressionBombError, FormatError
+from .format import MAX_MANIFEST_BYTES
+
+PACKED_SUFFIX = ".zst"
+_SMALL = 1 << 20
+"""Manifests up to this size are compressed at level 19 (≈10% smaller than level 3, a few ms at
+this size); bigger ones at level 3, so a huge manifest never costs seconds at commit."""
+
+
+def is_packed(name: str) -> bool:
+    """True when the manifest object ``name`` holds a zstd frame (``….json.zst``)."""
+    return name.endswith(PACKED_SUFFIX)
+
+
+def pack(name: str, canonical: bytes) -> bytes:
+    """The bytes to store at the manifest object ``name`` for the manifest ``canonical``."""
+    if not is_packed(name):
+        return canonical
+    level = 19 if len(canonical) <= _SMALL else 3
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False).compress(canonical)
+
+
+def unpack(name: str, stored: bytes, *, where: str) -> bytes:
+    """The canonical manifest bytes held by the object ``name`` whose bytes are ``stored``.
+
+    Raises :class:`FormatError` for anything but one well-formed frame, and
+    :class:`DecompressionBombError` for a frame that declares or inflates past the manifest limit."""
+    if not is_packed(name):
+        return stored
+    if len(stored) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}: {len(stored)} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: not a zstd frame ({exc}); the object is corrupt or not xcluster's") from exc
+    if declared < 0:
+        raise FormatError(f"{where}: zstd frame without a content size (a packed manifest always declares it)")
+    if declared > MAX_MANIFEST_BYTES:
+        raise DecompressionBombError(f"{where}: zstd frame declares {declared} bytes, over the "
+                                     f"{MAX_MANIFEST_BYTES}-byte manifest limit")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(declared, 1),
+                                                      allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        if "Destination buffer is too small" in str(exc):
+            raise DecompressionBombError(f"{where}: zstd frame inflates past the {declared} bytes it "
+                                         "declares") from exc
+        raise FormatError(f"{where}: corrupt zstd frame ({exc})") from exc
+    if len(out) != declared:
+        raise FormatError(f"{where}: zstd frame declares {declared} bytes but holds {len(out)}")
+    return out
