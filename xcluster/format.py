@@ -34,7 +34,11 @@ EXP_SCHEMA_VERSION = 4
 """A manifest with a ``sparse-exp`` block declares schema 4 (schema 3 plus that encoding), so that
 a reader without it refuses the version by its schema version, with an "upgrade" message, before
 fetching anything. HEAD stays at 2."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+EXP2_SCHEMA_VERSION = 5
+"""A manifest with a ``sparse-exp2`` block (``sparse-exp`` with each group's Rice parameter stored,
+so a reader needs no pass over the base to size the groups) declares schema 5 (schema 4 plus that
+encoding). HEAD stays at 2 (3 when its manifest is packed)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 PACKED_HEAD_SCHEMA_VERSION = 3
 """A HEAD that names a packed manifest (``manifest-<attempt>.json.zst``, one zstd frame of the
 canonical JSON, xcluster/manifest_object.py) declares schema 3, so that a reader that cannot
@@ -56,7 +60,9 @@ PLANES = "planes"          # full values: byte planes of the raw bits
 SPARSE_SUB = "sparse-sub"  # changed positions (gap planes) + zigzag(new-old) byte planes
 DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in range
 SPARSE_EXP = "sparse-exp"  # changed positions per exponent group of the base (Rice) + packed values
-ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP)
+SPARSE_EXP2 = "sparse-exp2"  # the same, with each group's Rice parameter stored (no group sizes to compute)
+EXP_ENCODINGS = (SPARSE_EXP, SPARSE_EXP2)
+ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP, SPARSE_EXP2)
 EXP_GROUP_BITS = {"bfloat16": 8, "float16": 5, "float32": 8, "float8_e4m3fn": 4, "float8_e4m3fnuz": 4,
                   "float8_e5m2": 5, "float8_e5m2fnuz": 5}
 """dtypes with a ``sparse-exp`` encoding and the width of their exponent field (2**bits groups)."""
@@ -311,20 +317,23 @@ def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...
     nnz = sum(s.nnz for s in segments)
     if encoding == PLANES or encoding == DENSE_SUB:
         return [elems] * width
-    if encoding == SPARSE_EXP:
+    if encoding in EXP_ENCODINGS:
         bitmaps = sum((s.nnz + 7) // 8 for s in segments)
-        return [4 * sum(groups), sum((s.count + 7) // 8 for s in segments),
+        per_group = 5 if encoding == SPARSE_EXP2 else 4  # sparse-exp2: + one byte, the Rice parameter
+        return [per_group * sum(groups), sum((s.count + 7) // 8 for s in segments),
                 sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps, bitmaps, width * nnz]
     return [nnz] * GAP_WIDTH + [nnz] * width
 
 
 EXP_EXACT = (True, False, False, True, True, False)
-"""Which ``sparse-exp`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
+"""Which ``sparse-exp`` / ``sparse-exp2`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
 
 
 def schema_for(tensors, blocks) -> int:
-    """The schema a writer declares for a manifest of these tensors and blocks: 4 with a
-    ``sparse-exp`` block, else 3 with a tensor in parts, else 2."""
+    """The schema a writer declares for a manifest of these tensors and blocks: 5 with a
+    ``sparse-exp2`` block, else 4 with a ``sparse-exp`` block, else 3 with a tensor in parts, else 2."""
+    if any(b.encoding == SPARSE_EXP2 for b in blocks):
+        return EXP2_SCHEMA_VERSION
     if any(b.encoding == SPARSE_EXP for b in blocks):
         return EXP_SCHEMA_VERSION
     return PARTS_SCHEMA_VERSION if any(t.parts for t in tensors) else SCHEMA_VERSION
@@ -570,9 +579,9 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))
 
     blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
-    if schema < EXP_SCHEMA_VERSION and any(b.encoding == SPARSE_EXP for b in blocks):
-        raise FormatError(f"{where}: a sparse-exp block needs schema_version {EXP_SCHEMA_VERSION}, the manifest "
-                          f"declares {schema}")
+    for enc, need in ((SPARSE_EXP, EXP_SCHEMA_VERSION), (SPARSE_EXP2, EXP2_SCHEMA_VERSION)):
+        if schema < need and any(b.encoding == enc for b in blocks):
+            raise FormatError(f"{where}: a {enc} block needs schema_version {need}, the manifest declares {schema}")
     _check_coverage(where, tensors, blocks)
     _check_tiling(where, chunks, blocks)
     changed = _int(obj, "changed_elements", where)
@@ -652,10 +661,10 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                               f"{te.name} ({te.numel} elements)")
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
-        if encoding == SPARSE_EXP and te.dtype not in EXP_GROUP_BITS:
-            raise FormatError(f"{bw}: sparse-exp segment on {te.name} ({te.dtype}): that dtype has no exponent "
+        if encoding in EXP_ENCODINGS and te.dtype not in EXP_GROUP_BITS:
+            raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): that dtype has no exponent "
                               "groups")
-        if encoding in (SPARSE_SUB, SPARSE_EXP):
+        if encoding in (SPARSE_SUB, *EXP_ENCODINGS):
             # sparse past half the elements is never smaller than dense-sub (writers switch at
             # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
             if not 0 < 2 * nnz <= count:
@@ -668,9 +677,10 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
         segments.append(Segment(t, start, count, nnz))
     if not segments:
         raise FormatError(f"{bw}: a block has at least one segment")
-    groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if encoding == SPARSE_EXP else []
+    exp = encoding in EXP_ENCODINGS
+    groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if exp else []
     expected = expected_raw_lengths(encoding, width, segments, groups)
-    exact = EXP_EXACT if encoding == SPARSE_EXP else (True,) * len(expected)
+    exact = EXP_EXACT if exp else (True,) * len(expected)
     if len(streams) != len(expected):
         raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
     for k, (s, e) in enumerate(zip(streams, expected)):

@@ -212,8 +212,9 @@ def check_versions(store, want: dict[int, tuple[int, dict[str, list[int]]]], *, 
         assert sub.model_digest == model_digest(full, parts=parts)
         m = sub.manifest
         assert {t.name: list(t.parts) for t in m.tensors if t.parts} == parts
-        exp = any(b.encoding == "sparse-exp" for b in m.blocks)  # codec v2: schema 4 (schema 3 plus sparse-exp)
-        assert m.schema_version == (4 if exp else 3 if parts else 2)
+        encodings = {b.encoding for b in m.blocks}  # codec v2: schema 5 with sparse-exp2 (4 with sparse-exp)
+        assert m.schema_version == (5 if "sparse-exp2" in encodings else 4 if "sparse-exp" in encodings
+                                    else 3 if parts else 2)
 
 
 @pytest.mark.slow

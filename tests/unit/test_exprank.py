@@ -109,3 +109,58 @@ def test_kernels_compile_in_memory_when_numba_cannot_cache(monkeypatch):
     finally:
         monkeypatch.undo()
         exprank._kernels.cache_clear()
+
+
+def _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled):
+    from xcluster.codec import expgroup
+    from xcluster.errors import DecodeError
+
+    r = expgroup.SegmentReader([p.copy() for p in pieces], np.dtype(udt).itemsize, "t", stored_k=stored_k)
+    r.compiled = compiled
+    try:
+        out = [r.segment(old, nnz, dtype, udt) for old, nnz in zip(olds, nnzs)]
+        r.finish()
+    except DecodeError:
+        return None
+    return [(p.tolist(), z.tolist()) for p, z in out]
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from([("bfloat16", np.uint16), ("float32", np.uint32), ("float8_e4m3fn", np.uint8)]),
+       sizes=st.lists(st.integers(2, 4000), min_size=1, max_size=3), density=st.sampled_from([0.002, 0.03, 0.3]),
+       seed=st.integers(0, 2**31), stored_k=st.booleans())
+def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, stored_k):
+    """A block of 1-3 sparse-exp(2) segments decodes to the same changes with the compiled Rice
+    decoder as with numpy; with a bit flipped anywhere, both refuse it or both decode the same."""
+    from xcluster.codec import expgroup
+    from xcluster.codec.changes import zigzag_diff
+
+    dtype, udt = field
+    rng = np.random.default_rng(seed)
+    olds, nnzs, seg_pieces = [], [], []
+    for n in sizes:
+        info = np.iinfo(udt)
+        old = (rng.integers(0, int(info.max) + 1, size=n, dtype=np.uint64)  # uneven groups, many exponents
+               // rng.integers(1, 64, size=n, dtype=np.uint64)).astype(udt)
+        pos = np.flatnonzero(rng.random(n) < density)
+        if pos.size == 0 or 2 * pos.size > n:
+            pos = np.array([n // 2])
+        new = old.copy()
+        new[pos] += np.where(rng.random(pos.size) < 0.9, 1, 3 << (info.bits - 3)).astype(udt)
+        seg_pieces.append(expgroup.build(old, pos, zigzag_diff(old[pos], new[pos]), dtype, stored_k=stored_k))
+        olds.append(old)
+        nnzs.append(pos.size)
+    pieces = [np.concatenate([np.ascontiguousarray(p[i]).view(np.uint8) for p in seg_pieces])
+              for i in range(expgroup.N_STREAMS)]
+    good = _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled=True)
+    assert good is not None and good == _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled=False)
+    for _ in range(12):
+        s = int(rng.integers(0, len(pieces)))
+        if pieces[s].size == 0:
+            continue
+        bad = [p.copy() for p in pieces]
+        bit = int(rng.integers(0, 8 * bad[s].size))
+        bad[s][bit // 8] ^= np.uint8(1 << (bit % 8))
+        assert _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=True) == \
+            _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=False)

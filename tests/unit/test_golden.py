@@ -18,16 +18,19 @@ from tests.unit.helpers import assert_state_equal
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
 GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
+"""Written by schema 1 (xcluster 0.1): never regenerated, must stay readable."""
 GOLDEN_V4 = Path(__file__).parent.parent / "golden" / "v4" / "store"
+"""Schema 4: sparse-exp blocks (codec v2, Rice parameters derived from group sizes), with the v1
+encodings where they are smaller. Writers now write sparse-exp2: never regenerated, must stay readable."""
 GOLDEN_V4_0 = Path(__file__).parent.parent / "golden" / "v4-0" / "store"
-GOLDEN_V4Z = Path(__file__).parent.parent / "golden" / "v4z" / "store"
-"""The v4 versions with packed manifests (``manifest-<attempt>.json.zst``, HEAD schema 3), signed."""
 """v4 as the first writer of schema 4 laid it out (sparse-exp blocks sized by stream bytes): still read."""
-"""Schema 4: sparse-exp blocks (codec v2), with the same v1 encodings where they are smaller."""
+GOLDEN_V5 = Path(__file__).parent.parent / "golden" / "v5" / "store"
+"""Schema 5: the v4 versions as writers write them now: sparse-exp2 blocks (Rice parameters stored),
+manifests packed (``manifest-<attempt>.json.zst``, HEAD schema 3), signed."""
+EXP_GOLDENS = {GOLDEN_V4: ("sparse-exp", 4), GOLDEN_V4_0: ("sparse-exp", 4), GOLDEN_V5: ("sparse-exp2", 5)}
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
 so the signed golden objects pin the signature bytes too."""
-"""Written by schema 1 (xcluster 0.1): never regenerated, must stay readable."""
 
 
 def golden_versions() -> list[dict[str, torch.Tensor]]:
@@ -96,18 +99,14 @@ def golden_versions_v4() -> list[dict[str, torch.Tensor]]:
     return versions
 
 
-def write_v4(root: Path, **config) -> None:
+def write_v5(root: Path) -> None:
     pub = Publisher(store=LocalStore(root, fsync=False),
                     config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
                                                                                  exp_groups=True),
-                                           run_id="golden", **config),
+                                           run_id="golden", compress_manifest=True, signing_key=str(GOLDEN_KEY)),
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
     for i, sd in enumerate(golden_versions_v4()):
         pub.publish(sd, step=i)
-
-
-def write_v4z(root: Path) -> None:
-    write_v4(root, compress_manifest=True, signing_key=str(GOLDEN_KEY))
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -115,8 +114,7 @@ def files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v4, GOLDEN_V4), (write_v4z, GOLDEN_V4Z)],
-                         ids=["v2", "v4", "v4z"])
+@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5)], ids=["v2", "v5"])
 def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
         shutil.rmtree(golden, ignore_errors=True)
@@ -128,18 +126,20 @@ def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
         assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
-@pytest.mark.parametrize("golden", [GOLDEN_V4, GOLDEN_V4_0, GOLDEN_V4Z], ids=["v4", "v4-0", "v4z"])
-def test_golden_v4_objects_decode(tmp_path, golden):
+@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5"])
+def test_golden_exp_objects_decode(tmp_path, golden):
+    encoding, schema = EXP_GOLDENS[golden]
+    packed = golden == GOLDEN_V5
     shutil.copytree(golden, tmp_path / "s")
     paths = sorted((tmp_path / "s" / "versions").rglob("manifest-*"))
-    assert [p.name.endswith(".json.zst") for p in paths] == [golden == GOLDEN_V4Z] * 3
+    assert [p.name.endswith(".json.zst") for p in paths] == [packed] * 3
     manifests = [json.loads(unpack(p.name, p.read_bytes(), where=p.name)) for p in paths]
-    assert [m["schema_version"] for m in manifests] == [2, 4, 4]
-    assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["schema_version"] == (3 if golden == GOLDEN_V4Z else 2)
-    for m in manifests[1:]:  # every dtype with exponent groups has a sparse-exp block
-        exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == "sparse-exp" for s in b["segments"]}
+    assert [m["schema_version"] for m in manifests] == [2, schema, schema]
+    assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["schema_version"] == (3 if packed else 2)
+    for m in manifests[1:]:  # every dtype with exponent groups has a block of the exponent encoding
+        exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == encoding for s in b["segments"]}
         assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
-    trust = (str(GOLDEN_KEY) + ".pub",) if golden == GOLDEN_V4Z else ()
+    trust = (str(GOLDEN_KEY) + ".pub",) if packed else ()
     sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
     for v, sd in enumerate(golden_versions_v4(), 1):
         assert sub.sync(until=v) == v

@@ -19,7 +19,7 @@ from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_
 from xcluster.codec import encode
 from xcluster.codec.changes import unzigzag
 from xcluster.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
-from xcluster.format import SPARSE_EXP
+from xcluster.format import SPARSE_EXP, SPARSE_EXP2
 from tests.unit.helpers import assert_state_equal, memory_store
 
 ALL_DTYPES = sorted(DTYPE_NAMES)
@@ -165,7 +165,7 @@ def test_publish_rejects_bad_steps_and_configs():
         CodecConfig(chunk_bytes=1 << 40)
 
 
-# --- codec v2: sparse-exp ----------------------------------------------------------------------
+# --- codec v2: sparse-exp2 (written) and sparse-exp (written before it, still read) -----------
 EXP_DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 
 
@@ -184,18 +184,27 @@ def ulp_steps(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Te
     return new
 
 
+EXP_SCHEMAS = {SPARSE_EXP: 4, SPARSE_EXP2: 5}
+
+
+def writes(encoding: str):
+    """Write ``encoding`` as the exponent-group encoding (sparse-exp: as writers did before sparse-exp2)."""
+    return mock.patch.object(encode, "EXP_ENCODING", encoding)
+
+
 @contextlib.contextmanager
-def always_exp():
-    """Write sparse-exp for every eligible sparse range, smaller or not (so the property test
+def always_exp(encoding: str):
+    """Write ``encoding`` for every eligible sparse range, smaller or not (so the property test
     reaches its decoder on every shape)."""
-    with mock.patch.object(encode, "_smaller", lambda v1, v2, cfg: (SPARSE_EXP, v2)):
+    with writes(encoding), mock.patch.object(encode, "_smaller", lambda v1, v2, cfg: (encoding, v2)):
         yield
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from(ALL_DTYPES), shape=shapes, density=st.sampled_from([0.001, 0.01, 0.1, 0.3]),
-       seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3), force=st.booleans(), ulp=st.booleans())
-def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed, steps, force, ulp):
+       seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3), force=st.booleans(), ulp=st.booleans(),
+       encoding=st.sampled_from([SPARSE_EXP2, SPARSE_EXP]))
+def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed, steps, force, ulp, encoding):
     gen = torch.Generator().manual_seed(seed)
     dt = torch_dtype(dtype)
     move = ulp_steps if ulp and dt != torch.bool else perturb
@@ -204,11 +213,12 @@ def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed
     for _ in range(steps):
         cur = {k: move(v, density, gen) for k, v in cur.items()}
         versions.append(cur)
-    with always_exp() if force else contextlib.nullcontext():
+    with always_exp(encoding) if force else writes(encoding):
         roundtrip(versions, keyframe_every=2)
 
 
-def test_sparse_exp_is_chosen_and_late_joiners_agree():
+@pytest.mark.parametrize("encoding", [SPARSE_EXP2, SPARSE_EXP])
+def test_sparse_exp_is_chosen_and_late_joiners_agree(encoding):
     """A run of ulp steps with a keyframe every 3 versions: sparse-exp carries the deltas; a
     subscriber that joins at any keyframe decodes the same bytes to the same weights as one that
     followed from the start."""
@@ -221,7 +231,8 @@ def test_sparse_exp_is_chosen_and_late_joiners_agree():
     follower = Subscriber(store=store)
     joiners = []
     for i in range(8):
-        res = pub.publish(cur, step=i)
+        with writes(encoding):
+            res = pub.publish(cur, step=i)
         assert follower.sync() == res.version
         if res.kind == "keyframe":
             joiners.append(Subscriber(store=store))
@@ -232,8 +243,8 @@ def test_sparse_exp_is_chosen_and_late_joiners_agree():
         assert_state_equal(follower.state_dict(), cur)
         if res.kind == "delta":
             m = follower.manifest
-            assert m.schema_version == 4
-            assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == SPARSE_EXP
+            assert m.schema_version == EXP_SCHEMAS[encoding]
+            assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == encoding
                     for s in b.segments} == {"bfloat16", "float16", "float32"}
         cur = {k: ulp_steps(v, 0.01, gen) for k, v in cur.items()}
     assert len(joiners) == 3
@@ -252,7 +263,8 @@ def test_v1_only_config_writes_schema_2():
     assert {b.encoding for b in sub.manifest.blocks} == {"sparse-sub"}
 
 
-def test_old_readers_refuse_sparse_exp_manifests():
+@pytest.mark.parametrize("encoding", [SPARSE_EXP2, SPARSE_EXP])
+def test_old_readers_refuse_sparse_exp_manifests(encoding):
     from xcluster import format as fmt
     from xcluster.errors import FormatError, SchemaVersionError
 
@@ -261,18 +273,23 @@ def test_old_readers_refuse_sparse_exp_manifests():
     store = memory_store()
     pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_groups=True)))
     pub.publish({"w": w})
-    res = pub.publish({"w": ulp_steps(w, 0.01, gen)})
+    with writes(encoding):
+        res = pub.publish({"w": ulp_steps(w, 0.01, gen)})
     key = [k for k in store.list() if k.startswith(f"versions/{res.version:012d}/manifest")][0]
     data = store.get(key).data
-    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of schemas 1-3
-        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=(1, 2, 3))
-    obj = json.loads(data)
-    obj["schema_version"] = 2
-    with pytest.raises(FormatError, match="schema_version 4"):
-        fmt.parse_manifest(fmt.canonical_json(obj))
+    schema = EXP_SCHEMAS[encoding]
+    assert json.loads(data)["schema_version"] == schema
+    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of the schemas before
+        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=tuple(range(1, schema)))
+    for lower in range(2, schema):
+        obj = json.loads(data)
+        obj["schema_version"] = lower
+        with pytest.raises(FormatError, match=f"a {encoding} block needs schema_version {schema}"):
+            fmt.parse_manifest(fmt.canonical_json(obj))
 
 
-def test_sparse_exp_streams_are_checked():
+@pytest.mark.parametrize("stored_k", [True, False], ids=["sparse-exp2", "sparse-exp"])
+def test_sparse_exp_streams_are_checked(stored_k):
     """Every byte of a sparse-exp block is accounted for: flipping any bit is caught by the
     decoder's checks or by the digest, never a crash or a silent wrong weight."""
     from xcluster.codec import expgroup
@@ -284,14 +301,14 @@ def test_sparse_exp_streams_are_checked():
     new = ulp_steps(old, 0.02, gen)
     ob, nb = flat_bits(old).numpy().view("u2"), flat_bits(new).numpy().view("u2")
     pos, ov, nv = find_changes(ob, nb)
-    pieces = expgroup.build(ob, pos, zigzag_diff(ov, nv), "bfloat16")
+    pieces = expgroup.build(ob, pos, zigzag_diff(ov, nv), "bfloat16", stored_k=stored_k)
     caught = 0
     for s in range(len(pieces)):
         for byte in range(0, pieces[s].size, max(1, pieces[s].size // 7)):
             bad = [p.copy() for p in pieces]
             bad[s][byte] ^= 1 << (byte % 8)
             try:
-                r = expgroup.SegmentReader(bad, 2, "t")
+                r = expgroup.SegmentReader(bad, 2, "t", stored_k=stored_k)
                 p2, z2 = r.segment(ob, pos.size, "bfloat16", np.uint16)
                 r.finish()
             except DecodeError:

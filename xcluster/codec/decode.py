@@ -21,7 +21,8 @@ import torch
 
 from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
-from ..format import DENSE_SUB, GAP_WIDTH, PLANES, SPARSE_EXP, SPARSE_SUB, BlockEntry, TensorEntry
+from ..format import (DENSE_SUB, EXP_ENCODINGS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
+                      TensorEntry)
 from . import expgroup, streams
 from .changes import unzigzag
 
@@ -62,7 +63,7 @@ class Scatter:
 def block_memory(block: BlockEntry) -> int:
     """Bytes decoding ``block`` holds at its peak (from the manifest's checked sizes alone)."""
     raw = [s.raw for s in block.streams]
-    if block.encoding == SPARSE_EXP:
+    if block.encoding in EXP_ENCODINGS:
         # the streams and the unpacked quotient bits; per segment its groups, a group's membership
         # mask and bitmap with prefix counts (3 bytes per element); per change about 10 int64
         # temporaries, the values, its remainder bits unpacked (at most 31) and a 64-byte word
@@ -116,12 +117,13 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
             ops.append(Patch(seg.tensor, seg.start, None, diff[cursor:cursor + seg.count]))
             cursor += seg.count
         return ops
-    if block.encoding == SPARSE_EXP:
-        reader = expgroup.SegmentReader([stream(i) for i in range(len(block.streams))], w, where)
+    if block.encoding in EXP_ENCODINGS:
+        reader = expgroup.SegmentReader([stream(i) for i in range(len(block.streams))], w, where,
+                                        stored_k=block.encoding == SPARSE_EXP2)
         for seg in block.segments:
             t = base[seg.tensor] if seg.tensor < len(base) else None
             if t is None:
-                raise DecodeError(f"{where}: sparse-exp needs the base of {tensors[seg.tensor].name}")
+                raise DecodeError(f"{where}: {block.encoding} needs the base of {tensors[seg.tensor].name}")
             old = np_bits(t)[seg.start:seg.start + seg.count]
             pos, z = reader.segment(old, seg.nnz, tensors[seg.tensor].dtype, udt)
             pos += seg.start

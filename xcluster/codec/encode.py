@@ -15,12 +15,15 @@ import torch
 
 from ..dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
-from ..format import (DENSE_SUB, INIT_BASE, INIT_NONE, PLANES, SPARSE_EXP, SPARSE_SUB, BlockEntry, ChunkEntry,
-                      Segment, StreamEntry, TensorEntry, xxh3_128)
+from ..format import (DENSE_SUB, EXP_ENCODINGS, INIT_BASE, INIT_NONE, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
+                      ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
 from . import expgroup, scan_torch, streams
 from .changes import find_changes, join_planes, split_planes, zigzag_diff
 
 SCANS = ("auto", "numpy", "torch")
+EXP_ENCODING = SPARSE_EXP2
+"""The exponent-group encoding written (``exp_groups``): ``sparse-exp2``; tests set ``sparse-exp``
+to exercise the readers of stores written before it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,13 +50,13 @@ class CodecConfig:
     for the rest. All three write the same bytes."""
 
     exp_groups: bool = False
-    """Write a sparse range as ``sparse-exp`` (positions coded per exponent group of the base,
+    """Write a sparse range as ``sparse-exp2`` (positions coded per exponent group of the base,
     FORMAT.md §5a) where that is smaller than ``sparse-sub``, for bf16, fp16, fp32 and fp8 tensors:
-    about a third fewer bytes per delta (bench/codec.py --v2). Encoding runs at about 0.4× and
-    applying at about 0.35× the speed of ``sparse-sub`` (over 1 and 1.4 GB/s on 2 cores at 1%
-    changed, with numba's compiled loops; numpy alone is several times slower). Opt-in because a
-    manifest with such a block declares schema 4, which readers older than it refuse: turn it on
-    once every subscriber reads schema 4."""
+    about 40% fewer bytes per delta on real weights (bench/codec.py --v2 --real). Encoding runs at
+    about 0.4× and applying at about 0.5× the speed of ``sparse-sub`` (over 1 GB/s and about
+    2 GB/s on 2 cores at 1% changed, with numba's compiled loops; numpy alone is several times
+    slower). Opt-in because a manifest with such a block declares schema 5, which readers older
+    than it refuse: turn it on once every subscriber reads schema 5."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -138,7 +141,7 @@ class _Packer:
         # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp the bits
         # of the base it groups (every element of the range is read), so such a delta still
         # splits into blocks that decode in parallel
-        work = seg.seg.count * width if encoding == SPARSE_EXP else sum(s.nbytes for s in seg.streams)
+        work = seg.seg.count * width if encoding in EXP_ENCODINGS else sum(s.nbytes for s in seg.streams)
         self.open_bytes[key] = self.open_bytes.get(key, 0) + work
         if self.open_bytes[key] >= self.cfg.block_bytes:
             self._flush(key)
@@ -241,7 +244,8 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         if exp is not None:
             order, ranks, sizes, counts = exp
             z = join_planes(planes[4:], UINT[w])
-            encoding, planes = _smaller(planes, expgroup.pack(exp_dtype, counts, sizes, ranks, z[order]), config)
+            encoding, planes = _smaller(planes, expgroup.pack(exp_dtype, counts, sizes, ranks, z[order],
+                                                              stored_k=EXP_ENCODING == SPARSE_EXP2), config)
         seg = Segment(r.t_idx, r.start, count, nnz if kind == "sparse" else count)
         return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(seg, planes), nnz, pos, values)
     nnp = _host_bits(new, r.start, r.end)
@@ -262,7 +266,8 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     z = zigzag_diff(ov, nv)
     encoding, pieces = SPARSE_SUB, split_planes(gaps) + split_planes(z)
     if (exp_dtype := _exp_dtype(new, config)) is not None:
-        encoding, pieces = _smaller(pieces, expgroup.build(onp, pos, z, exp_dtype), config)
+        encoding, pieces = _smaller(pieces, expgroup.build(onp, pos, z, exp_dtype, stored_k=EXP_ENCODING == SPARSE_EXP2),
+                                    config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
     return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()), None)
 
@@ -284,12 +289,12 @@ def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
 
 
 def _smaller(v1: list[np.ndarray], v2: list[np.ndarray], config: CodecConfig) -> tuple[str, list[np.ndarray]]:
-    """``sparse-sub`` or ``sparse-exp`` pieces of one segment, whichever compresses smaller (ties:
+    """``sparse-sub`` or ``EXP_ENCODING`` pieces of one segment, whichever compresses smaller (ties:
     sparse-sub)."""
     def size(pieces: list[np.ndarray]) -> int:
         return sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in pieces)
 
-    return (SPARSE_EXP, v2) if size(v2) < size(v1) else (SPARSE_SUB, v1)
+    return (EXP_ENCODING, v2) if size(v2) < size(v1) else (SPARSE_SUB, v1)
 
 
 def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
@@ -353,7 +358,7 @@ def encode_version(new: Mapping[str, torch.Tensor],
             packer.add(sr.encoding, sr.width, sr.seg)
             if sr.encoding == DENSE_SUB:
                 update.ranges.append((sr.name, sr.start, sr.end, sr.values))
-            elif sr.encoding in (SPARSE_SUB, SPARSE_EXP):
+            elif sr.encoding in (SPARSE_SUB, *EXP_ENCODINGS):
                 update.points.append((sr.name, sr.positions, sr.values))
         packer.finish()
     except BaseException:

@@ -12,6 +12,11 @@ did, the rest in byte planes.
 Ranks, group sizes and the member of a given rank are found by :mod:`.exprank` (one pass over the
 range, no sort).
 
+Two encodings share this code: ``sparse-exp`` derives each group's Rice parameter from the group's
+size, so a reader counts the groups of the whole range first (a second pass); ``sparse-exp2``
+stores the parameter (one byte per group, in the counts stream), so a reader needs one pass. Writers write
+``sparse-exp2``; ``sparse-exp`` stays readable (``stored_k=False``).
+
 Pure: numpy arrays in, numpy arrays out.
 """
 
@@ -80,10 +85,11 @@ def _packbits(bits: np.ndarray) -> np.ndarray:
     return np.packbits(bits, bitorder="little")
 
 
-def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> list[np.ndarray]:
-    """The six stream pieces of one segment (FORMAT.md §5, ``sparse-exp``). ``counts``: changes per
-    group; ``sizes``: group sizes (where counts > 0); ``ranks`` and ``z`` (zigzag of the change,
-    unsigned of the element's width) in change order."""
+def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z: np.ndarray, *,
+         stored_k: bool = True) -> list[np.ndarray]:
+    """The six stream pieces of one segment (FORMAT.md §5a): ``sparse-exp2`` (``stored_k``) or
+    ``sparse-exp``. ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
+    ``ranks`` and ``z`` (zigzag of the change, unsigned of the element's width) in change order."""
     counts = counts.astype(np.uint32)
     present = np.flatnonzero(counts)
     n = counts[present].astype(np.int64)
@@ -95,6 +101,11 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     prev[1:] = ranks[:-1]
     prev[first] = -1
     gaps = ranks - prev - 1
+    count_pieces = split_planes(counts)
+    if stored_k:  # the writer's choice; the size-derived one codes real weights as well as the best of k ± 2
+        kfull = np.zeros(counts.size, dtype=np.uint8)
+        kfull[present] = k
+        count_pieces.append(kfull)
     kk = np.repeat(k, n)
     q = gaps >> kk
     unary = np.zeros(int(q.sum()) + q.size, dtype=np.uint8)
@@ -111,15 +122,15 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     sign = (z & one).astype(np.uint8)
     big = z > z.dtype.type(2)
     rest = (z[big] >> one) + (z[big] & one) - z.dtype.type(2)
-    return [np.concatenate(split_planes(counts)), _packbits(unary), _packbits(rem_bits), _packbits(sign),
+    return [np.concatenate(count_pieces), _packbits(unary), _packbits(rem_bits), _packbits(sign),
             _packbits(big.view(np.uint8)), np.concatenate(split_planes(rest)) if rest.size else rest.view(np.uint8)]
 
 
-def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str) -> list[np.ndarray]:
-    """``sparse-exp`` stream pieces of one segment from its old raw bits (the range), the sorted
-    relative changed positions and their zigzag diffs (in position order)."""
+def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str, *, stored_k: bool = True) -> list[np.ndarray]:
+    """``sparse-exp2`` (``stored_k``) or ``sparse-exp`` stream pieces of one segment from its old raw
+    bits (the range), the sorted relative changed positions and their zigzag diffs (in position order)."""
     order, ranks, sizes, counts = group_ranks(old, pos, dtype)
-    return pack(dtype, counts, sizes, ranks, z[order])
+    return pack(dtype, counts, sizes, ranks, z[order], stored_k=stored_k)
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -134,12 +145,14 @@ def _bits(piece: np.ndarray, nbits: int, where: str, what: str) -> np.ndarray:
 class SegmentReader:
     """Walks a ``sparse-exp`` block's decoded streams segment by segment (cursors per stream)."""
 
-    def __init__(self, streams: list[np.ndarray], width: int, where: str) -> None:
+    def __init__(self, streams: list[np.ndarray], width: int, where: str, *, stored_k: bool = True) -> None:
         self.s = streams
+        self.stored_k = stored_k
         self.w = width
         self.where = where
         self.cur = [0] * N_STREAMS
-        self.ones = np.flatnonzero(np.unpackbits(streams[UNARY], bitorder="little"))
+        self.compiled = exprank.compiled()
+        self._ones: np.ndarray | None = None  # the numpy decoder's: positions of the quotient stream's one bits
         self.one_cur = 0
 
     def _take(self, i: int, n: int, what: str) -> np.ndarray:
@@ -150,49 +163,31 @@ class SegmentReader:
         return self.s[i][a:a + n]
 
     def segment(self, old: np.ndarray, nnz: int, dtype: str, udt) -> tuple[np.ndarray, np.ndarray]:
-        """Relative positions and wrapped differences of one segment's changes, checked."""
+        """Relative positions (ascending) and wrapped differences of one segment's changes, checked."""
         where, w = self.where, self.w
         ng = n_groups(dtype)
-        planes = self._take(COUNTS, 4 * ng, "counts").reshape(4, ng)
-        counts = (planes.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))[:, None]).sum(axis=0,
-                                                                                               dtype=np.uint64)
+        planes = self._take(COUNTS, (5 if self.stored_k else 4) * ng, "counts").reshape(-1, ng)
+        counts = (planes[:4].astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))[:, None]).sum(axis=0,
+                                                                                                   dtype=np.uint64)
         if int(counts.sum()) != nnz:
             raise DecodeError(f"{where}: group counts add up to {int(counts.sum())}, the segment has {nnz} changes")
-        # unary quotients: the next nnz one bits, from this segment's first byte on
-        if self.one_cur + nnz > self.ones.size:
-            raise DecodeError(f"{where}: the quotient stream holds too few codes")
-        ones = self.ones[self.one_cur:self.one_cur + nnz]
-        self.one_cur += nnz
-        start_bit = 8 * self.cur[UNARY]
-        if int(ones[0]) < start_bit:
-            raise DecodeError(f"{where}: nonzero padding bits in the quotient stream")
-        q = np.diff(ones, prepend=start_bit - 1) - 1
-        self.cur[UNARY] = int(ones[-1]) // 8 + 1
         shift, mask = _field(dtype)
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.int64)
-        sizes = exprank.sizes(old, present, shift, mask)
-        if (n > sizes).any():
-            raise DecodeError(f"{where}: a group holds more changes than elements")
-        k = rice_k(sizes, n)
-        kk = np.repeat(k, n)
-        total = int((n * k).sum())
-        rem_bits = _bits(self._take(REMAINDERS, (total + 7) // 8, "remainder"), total, where, "remainder")
-        rem = np.zeros(nnz, dtype=np.int64)
-        s = b = 0
-        for ng_, kg in zip(n.tolist(), k.tolist()):  # a group's remainders: n × k bits, LSB first
-            if kg:
-                rem[s:s + ng_] = rem_bits[b:b + ng_ * kg].reshape(ng_, kg).astype(np.int64) @ (
-                    np.int64(1) << np.arange(kg, dtype=np.int64))
-            s, b = s + ng_, b + ng_ * kg
-        if (q > (np.int64(1) << 31)).any():
-            raise DecodeError(f"{where}: a quotient is larger than any group")
-        gaps = (q << kk) + rem
+        if self.stored_k:  # sparse-exp2: stored; a group with more changes than elements fails in select
+            kfull = planes[4]
+            k = kfull[present].astype(np.int64)
+            if (k > 31).any() or np.count_nonzero(kfull) != np.count_nonzero(k):
+                raise DecodeError(f"{where}: a Rice parameter is over 31, or set for a group without changes")
+        else:  # sparse-exp: derived from the group sizes, one pass over the range
+            sizes = exprank.sizes(old, present, shift, mask)
+            if (n > sizes).any():
+                raise DecodeError(f"{where}: a group holds more changes than elements")
+            k = rice_k(sizes, n)
         starts = np.zeros(n.size + 1, dtype=np.int64)
         np.cumsum(n, out=starts[1:])
-        ranks = np.cumsum(gaps + 1) - 1  # ranks inside each group: restart the count at each group
-        ranks -= np.repeat(ranks[starts[:-1]] - gaps[starts[:-1]], n)
-        pos, ok = exprank.select(old, present, starts, ranks, shift, mask)
+        ranks = self._ranks(nnz, n, k)
+        pos, idx, ok = exprank.select_sorted(old, present, starts, ranks, shift, mask)
         if not ok:
             raise DecodeError(f"{where}: a rank lies past the end of its group")
         sign = _bits(self._take(SIGNS, (nnz + 7) // 8, "sign"), nnz, where, "sign").astype(udt)
@@ -208,11 +203,55 @@ class SegmentReader:
             if (zb < udt(3)).any():
                 raise DecodeError(f"{where}: a change's rest is out of range")
             z[big] = zb
-        return pos, z
+        return pos, z[idx]  # in element order, so the patch lands in memory order
+
+    def _ranks(self, nnz: int, n: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """The ranks of the segment's changes in change order (groups of ``n[i]`` changes, Rice
+        parameter ``k[i]``), from its quotient and remainder pieces; the cursors move past them."""
+        where = self.where
+        if self.compiled:
+            ranks, uend, rend, err = exprank.rice_ranks(self.s[UNARY], self.cur[UNARY], self.s[REMAINDERS],
+                                                        self.cur[REMAINDERS], n, k)
+            if err:
+                raise DecodeError(f"{where}: {exprank.RICE_ERRORS[err]}")
+            self.cur[UNARY], self.cur[REMAINDERS] = uend, rend
+            return ranks
+        # unary quotients: the next nnz one bits, from this segment's first byte on
+        if self._ones is None:
+            self._ones = np.flatnonzero(np.unpackbits(self.s[UNARY], bitorder="little"))
+        if self.one_cur + nnz > self._ones.size:
+            raise DecodeError(f"{where}: {exprank.RICE_ERRORS[1]}")
+        ones = self._ones[self.one_cur:self.one_cur + nnz]
+        self.one_cur += nnz
+        start_bit = 8 * self.cur[UNARY]
+        if int(ones[0]) < start_bit:
+            raise DecodeError(f"{where}: {exprank.RICE_ERRORS[4]}")
+        q = np.diff(ones, prepend=start_bit - 1) - 1
+        self.cur[UNARY] = int(ones[-1]) // 8 + 1
+        kk = np.repeat(k, n)
+        total = int((n * k).sum())
+        rem_bits = _bits(self._take(REMAINDERS, (total + 7) // 8, "remainder"), total, where, "remainder")
+        rem = np.zeros(nnz, dtype=np.int64)
+        s = b = 0
+        for ng_, kg in zip(n.tolist(), k.tolist()):  # a group's remainders: n × k bits, LSB first
+            if kg:
+                rem[s:s + ng_] = rem_bits[b:b + ng_ * kg].reshape(ng_, kg).astype(np.int64) @ (
+                    np.int64(1) << np.arange(kg, dtype=np.int64))
+            s, b = s + ng_, b + ng_ * kg
+        if (q > (np.int64(1) << 31)).any():
+            raise DecodeError(f"{where}: {exprank.RICE_ERRORS[2]}")
+        gaps = (q << kk) + rem
+        if (gaps >= np.int64(1) << 31).any():  # a segment holds at most 2**31 elements
+            raise DecodeError(f"{where}: {exprank.RICE_ERRORS[3]}")
+        first = np.zeros(n.size, dtype=np.int64)
+        np.cumsum(n[:-1], out=first[1:])
+        ranks = np.cumsum(gaps + 1) - 1  # ranks inside each group: restart the count at each group
+        ranks -= np.repeat(ranks[first] - gaps[first], n)
+        return ranks
 
     def finish(self) -> None:
         for i, what in enumerate(("counts", "quotient", "remainder", "sign", "flag", "rest")):
             if self.cur[i] != self.s[i].size:
                 raise DecodeError(f"{self.where}: {self.s[i].size - self.cur[i]} bytes left over in the {what} stream")
-        if self.one_cur != self.ones.size:
+        if self._ones is not None and self.one_cur != self._ones.size:
             raise DecodeError(f"{self.where}: the quotient stream holds more codes than changes")

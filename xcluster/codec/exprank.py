@@ -167,9 +167,10 @@ def _compiled_kernels(cache: bool = True):
     @njit(**opts)
     def select(bits, present, starts, ranks, shift, mask, ng):
         m = ranks.size
-        out = np.empty(m, np.int64)
-        cnt = np.zeros(ng, np.int64)
-        want = np.full(ng, -1, np.int64)  # the next rank sought in each group (-1: none)
+        pos = np.empty(m, np.int64)  # the elements found, in element order
+        idx = np.empty(m, np.int64)  # the index (in change order) of the rank each one has
+        never = np.int64(1) << 62
+        skip = np.full(ng, never, np.int64)  # members of the group to pass before the next one sought
         ptr = np.zeros(ng, np.int64)
         end = np.zeros(ng, np.int64)
         for k in range(present.size):
@@ -177,25 +178,83 @@ def _compiled_kernels(cache: bool = True):
             ptr[g] = starts[k]
             end[g] = starts[k + 1]
             if starts[k] < starts[k + 1]:
-                want[g] = ranks[starts[k]]
-        left = m
-        n = bits.size
-        i = 0
-        while left > 0 and i < n:
+                skip[g] = ranks[starts[k]]
+        h = 0
+        for i in range(bits.size):
             g = (bits[i] >> shift) & mask
-            r = cnt[g]
-            if r == want[g]:
+            d = skip[g]
+            if d == 0:
                 p = ptr[g]
-                out[p] = i
+                pos[h] = i
+                idx[h] = p
+                h += 1
                 p += 1
                 ptr[g] = p
-                want[g] = ranks[p] if p < end[g] else -1
-                left -= 1
-            cnt[g] = r + 1
-            i += 1
-        return out, left == 0
+                d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else never
+            else:
+                d -= 1
+            skip[g] = d
+        return pos[:h], idx[:h], h == m
 
-    return ranks, sizes, select
+    ctz = np.array([0] + [(i & -i).bit_length() - 1 for i in range(1, 256)], dtype=np.int64)
+
+    @njit(**opts)
+    def rice(unary, ustart, rem, rstart, n, k):
+        nnz = 0
+        total = 0
+        for g in range(n.size):
+            nnz += n[g]
+            total += n[g] * k[g]
+        out = np.empty(nnz, np.int64)
+        rend = rstart + (total + 7) // 8
+        if rend > rem.size:
+            return out, 0, 0, 5
+        ubits = unary.size * 8
+        bit = ustart * 8
+        at = rstart  # the next remainder byte to load into buf
+        buf = np.int64(0)
+        nbuf = 0  # bits in buf (LSB first)
+        j = 0
+        for g in range(n.size):
+            kg = k[g]
+            kmask = (np.int64(1) << kg) - 1
+            rank = np.int64(-1)
+            for _ in range(n[g]):
+                q = np.int64(0)
+                while True:  # the unary quotient: zero bits, then a one bit
+                    if bit >= ubits:
+                        return out, 0, 0, 1
+                    b = np.int64(unary[bit >> 3]) >> (bit & 7)
+                    if b == 0:
+                        step = 8 - (bit & 7)
+                        q += step
+                        bit += step
+                        continue
+                    t = ctz[b]
+                    q += t
+                    bit += t + 1
+                    break
+                if q > np.int64(1) << 31:
+                    return out, 0, 0, 2
+                while nbuf < kg:  # at most 31 + 7 bits held: fits
+                    buf |= np.int64(rem[at]) << nbuf
+                    at += 1
+                    nbuf += 8
+                gap = (q << kg) + (buf & kmask)
+                buf >>= kg
+                nbuf -= kg
+                if gap >= np.int64(1) << 31:
+                    return out, 0, 0, 3
+                rank += gap + 1
+                out[j] = rank
+                j += 1
+        if bit & 7 and np.int64(unary[bit >> 3]) >> (bit & 7):
+            return out, 0, 0, 4
+        if buf != 0:  # the bits left in the last byte loaded: padding
+            return out, 0, 0, 6
+        return out, (bit + 7) >> 3, rend, 0
+
+    return ranks, sizes, select, rice
 
 
 @functools.cache
@@ -246,16 +305,57 @@ def sizes(bits: np.ndarray, present: np.ndarray, shift: int, mask: int, *, numpy
     return k[1](np.ascontiguousarray(bits), present, *_args(bits, shift, mask), mask + 1)
 
 
-def select(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int, mask: int,
-           *, numpy: bool = False) -> tuple[np.ndarray, bool]:
-    """The positions of the elements with the given ranks: ``ranks_[starts[i]:starts[i+1]]``
-    (strictly increasing) are ranks in group ``present[i]``. Returns ``(positions, ok)``; ``ok``
-    is False when a rank lies past the end of its group (the positions are then meaningless)."""
+RICE_ERRORS = {
+    1: "the quotient stream holds too few codes",
+    2: "a quotient is larger than any group",
+    3: "a gap is longer than any group",
+    4: "nonzero padding bits in the quotient stream",
+    5: "the remainder stream ends early",
+    6: "nonzero padding bits in the remainder stream",
+}
+
+
+def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: np.ndarray, k: np.ndarray):
+    """Compiled Rice decoding of one ``sparse-exp`` segment (FORMAT.md §5a): the ranks of its
+    changes in change order, groups of ``n[i]`` changes coded with parameter ``k[i]``, from the
+    quotient bits at byte ``ustart`` of ``unary`` and the remainder bits at byte ``rstart`` of
+    ``rem``. Returns ``(ranks, unary end, remainder end, error)``, byte offsets after the segment's
+    pieces, ``error`` a key of :data:`RICE_ERRORS` or 0; None without the compiled kernels (the
+    caller decodes with numpy)."""
+    kern = _kernels()
+    if kern is None:
+        return None
+    return kern[3](unary, ustart, rem, rstart, np.ascontiguousarray(n, dtype=np.int64),
+                   np.ascontiguousarray(k, dtype=np.int64))
+
+
+def select_sorted(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int,
+                  mask: int, *, numpy: bool = False) -> tuple[np.ndarray, np.ndarray, bool]:
+    """:func:`select` in element order: ``(positions, indices, ok)`` with the positions ascending
+    and ``indices[j]`` the index into ``ranks_`` of the rank ``positions[j]`` has (so patches land
+    in memory order). ``ranks_`` MUST be strictly increasing inside each group."""
     k = None if numpy else _kernels()
     present = np.ascontiguousarray(present, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ranks_ = np.ascontiguousarray(ranks_, dtype=np.int64)
     if k is None:
-        return _select_numpy(bits, present, starts, ranks_, shift, mask, mask + 1)
-    out, ok = k[2](np.ascontiguousarray(bits), present, starts, ranks_, *_args(bits, shift, mask), mask + 1)
-    return out, bool(ok)
+        out, ok = _select_numpy(bits, present, starts, ranks_, shift, mask, mask + 1)
+        idx = np.argsort(out, kind="stable") if ok else np.zeros(0, dtype=np.int64)
+        return out[idx], idx, ok
+    pos, idx, ok = k[2](np.ascontiguousarray(bits), present, starts, ranks_, *_args(bits, shift, mask), mask + 1)
+    return pos, idx, bool(ok)
+
+
+def select(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int, mask: int,
+           *, numpy: bool = False) -> tuple[np.ndarray, bool]:
+    """The positions of the elements with the given ranks: ``ranks_[starts[i]:starts[i+1]]``
+    (strictly increasing) are ranks in group ``present[i]``. Returns ``(positions, ok)``; ``ok``
+    is False when a rank lies past the end of its group (the positions are then meaningless)."""
+    if numpy or _kernels() is None:
+        present = np.ascontiguousarray(present, dtype=np.int64)
+        return _select_numpy(bits, present, np.ascontiguousarray(starts, dtype=np.int64),
+                             np.ascontiguousarray(ranks_, dtype=np.int64), shift, mask, mask + 1)
+    pos, idx, ok = select_sorted(bits, present, starts, ranks_, shift, mask)
+    out = np.empty(ranks_.size, dtype=np.int64)  # meaningless where not ok
+    out[idx] = pos
+    return out, ok
