@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import (ChainBrokenError, ChecksumMismatchError, FormatError, ObjectNotFoundError, ResourceLimitError,
-                     RunMismatchError, SignatureError, XclusterError)
+from .errors import (ChainBrokenError, ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
+                     ObjectNotFoundError, ResourceLimitError, RunMismatchError, SignatureError, XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
                      parse_manifest, xxh3_128)
 from .manifest_object import unpack
@@ -109,7 +109,9 @@ def read_manifest(store: Store, link: Link, *, retries: int = 2,
                                    "(retention removed it?); the next keyframe repairs this") from None
         try:
             data = unpack(link.manifest, stored, where=where)
-        except FormatError as exc:  # a packed manifest garbled in transit: like a hash mismatch, re-read
+        except DecompressionBombError:
+            raise
+        except DecodeError as exc:  # a packed manifest garbled in transit: like a hash mismatch, re-read
             problem = f"does not unpack ({exc})"
         else:
             got = xxh3_128(data)

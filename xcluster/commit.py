@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .chain import read_head
-from .errors import ConcurrentPublisherError, FormatError, PreconditionFailedError, XclusterError
+from .errors import ConcurrentPublisherError, DecodeError, PreconditionFailedError, XclusterError
 from .format import (HEAD_KEY, MAX_MANIFEST_BYTES, PACKED_HEAD_SCHEMA_VERSION, SCHEMA_VERSION, Head, Manifest,
                      manifest_key, parse_manifest, xxh3_128)
 from .manifest_object import is_packed, pack, unpack
@@ -169,7 +169,7 @@ class Committer:
         where = f"{self.store.url}/{key}"
         try:
             return xxh3_128(unpack(name, self.store.get_range(key, 0, MAX_MANIFEST_BYTES + 1), where=where)) == mhash
-        except FormatError:
+        except DecodeError:
             return False
 
     def _landed(self, head: Head) -> str | None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import zstandard
 
-from .errors import DecompressionBombError, FormatError
+from .codec import streams
+from .errors import DecodeError, DecompressionBombError
 from .format import MAX_MANIFEST_BYTES
 
 PACKED_SUFFIX = ".zst"
@@ -40,29 +41,15 @@ def pack(name: str, canonical: bytes) -> bytes:
 def unpack(name: str, stored: bytes, *, where: str) -> bytes:
     """The canonical manifest bytes held by the object ``name`` whose bytes are ``stored``.
 
-    Raises :class:`FormatError` for anything but one well-formed frame, and
-    :class:`DecompressionBombError` for a frame that declares or inflates past the manifest limit."""
+    Raises :class:`DecodeError` for anything but one well-formed frame (corruption: a reader
+    re-reads it), and :class:`DecompressionBombError` for a frame that declares more than the
+    manifest limit or inflates past what it declares."""
     if not is_packed(name):
         return stored
     if len(stored) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{where}: {len(stored)} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
-    try:
-        declared = zstandard.frame_content_size(stored)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"{where}: not a zstd frame ({exc}); the object is corrupt or not xcluster's") from exc
-    if declared < 0:
-        raise FormatError(f"{where}: zstd frame without a content size (a packed manifest always declares it)")
+        raise DecodeError(f"{where}: {len(stored)} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
+    declared = streams.frame_size(stored, where=where)
     if declared > MAX_MANIFEST_BYTES:
         raise DecompressionBombError(f"{where}: zstd frame declares {declared} bytes, over the "
                                      f"{MAX_MANIFEST_BYTES}-byte manifest limit")
-    try:
-        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=max(declared, 1),
-                                                      allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        if "Destination buffer is too small" in str(exc):
-            raise DecompressionBombError(f"{where}: zstd frame inflates past the {declared} bytes it "
-                                         "declares") from exc
-        raise FormatError(f"{where}: corrupt zstd frame ({exc})") from exc
-    if len(out) != declared:
-        raise FormatError(f"{where}: zstd frame declares {declared} bytes but holds {len(out)}")
-    return out
+    return streams.decompress(streams.ZSTD, stored, declared, where=where).tobytes()

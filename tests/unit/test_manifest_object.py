@@ -13,7 +13,8 @@ import zstandard
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig, manifest_object
 from xcluster.cli import main
-from xcluster.errors import ChecksumMismatchError, DecompressionBombError, FormatError, SchemaVersionError
+from xcluster.errors import (ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
+                             SchemaVersionError)
 from xcluster.format import HEAD_KEY, Head, parse_head, parse_manifest, xxh3_128
 from xcluster.manifest_object import pack, unpack
 from xcluster.relay import Relay, RelayConfig
@@ -63,14 +64,14 @@ def _lying_header(frame: bytes, declared: int) -> bytes:
 
 
 @pytest.mark.parametrize("make, error, says", [
-    (lambda f: b'{"format": "xcluster-manifest"}', FormatError, "not a zstd frame"),
-    (lambda f: zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 3000), FormatError,
+    (lambda f: b'{"format": "xcluster-manifest"}', DecodeError, "not a zstd frame"),
+    (lambda f: zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 3000), DecodeError,
      "without a content size"),
-    (lambda f: f + b"\0", FormatError, "unused data"),
-    (lambda f: f + f, FormatError, "unused data"),
-    (lambda f: f[:-4], FormatError, "corrupt zstd frame"),
+    (lambda f: f + b"\0", DecodeError, "unused data"),
+    (lambda f: f + f, DecodeError, "unused data"),
+    (lambda f: f[:-4], DecodeError, "corrupt zstd frame"),
     (lambda f: _lying_header(f, 1000), DecompressionBombError, "inflates past"),
-    (lambda f: _lying_header(f, 5000), FormatError, "corrupt zstd frame"),
+    (lambda f: _lying_header(f, 5000), DecodeError, "corrupt zstd frame"),
 ], ids=["json", "no-size", "trailing-byte", "two-frames", "truncated", "header-too-small", "header-too-big"])
 def test_a_bad_frame_is_a_named_error(make, error, says):
     frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(os.urandom(300) + b"x" * 3000)
@@ -83,7 +84,7 @@ def test_a_frame_declaring_more_than_the_manifest_limit_is_refused_before_inflat
     frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x" * 1001)
     with pytest.raises(DecompressionBombError, match="declares 1001 bytes, over the 1000-byte"):
         unpack("manifest-x.json.zst", frame, where="m")
-    with pytest.raises(FormatError, match="over the 1000-byte manifest limit"):
+    with pytest.raises(DecodeError, match="over the 1000-byte manifest limit"):
         unpack("manifest-x.json.zst", os.urandom(1001), where="m")
 
 
@@ -210,3 +211,20 @@ def test_ls_gc_and_relay_handle_packed_manifests(tmp_path, capsys):
     assert "versions/000000000007/manifest-dead.json.zst" in gone
     assert any(k.startswith("versions/000000000001/manifest-") and k.endswith(".json.zst") for k in gone)
     assert Subscriber(store=src).sync() == 6
+
+
+def test_a_bomb_is_refused_at_once_and_the_weights_kept(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path)
+    publish(store, range(1))
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1
+    Publisher(store=store, config=PublisherConfig(compress_manifest=True)).publish(weights(1))
+    reads = []
+    real_get_range = store.get_range
+    monkeypatch.setattr(store, "get_range", lambda k, *a: reads.append(k) or real_get_range(k, *a))
+    monkeypatch.setattr(manifest_object, "MAX_MANIFEST_BYTES", 1000)  # this manifest declares more
+    with pytest.raises(DecompressionBombError, match="over the 1000-byte manifest limit"):
+        sub.sync()
+    assert len([k for k in reads if "/manifest-" in k]) == 1  # not re-read as if garbled in transit
+    assert sub.version == 1
+    assert_state_equal(sub.state_dict(), weights(0))

@@ -33,6 +33,18 @@ def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -
     return ZSTD, payload
 
 
+def frame_size(payload: bytes | memoryview, *, where: str) -> int:
+    """The content size a zstd frame declares in its header (read before anything is inflated);
+    :class:`DecodeError` for anything but a frame that declares one (xcluster always writes it)."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"{where}: not a zstd frame ({exc})") from exc
+    if declared < 0:
+        raise DecodeError(f"{where}: zstd frame without a content size (xcluster always writes one)")
+    return declared
+
+
 def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> np.ndarray:
     """Decode one stream to exactly ``raw_len`` bytes (a uint8 array) or raise a named error."""
     if codec == RAW:
@@ -41,12 +53,7 @@ def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: 
         return np.frombuffer(payload, dtype=np.uint8)
     if codec != ZSTD:
         raise DecodeError(f"{where}: unknown stream codec {codec!r}")
-    try:
-        declared = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as exc:
-        raise DecodeError(f"{where}: not a zstd frame ({exc})") from exc
-    if declared < 0:
-        raise DecodeError(f"{where}: zstd frame without a content size (xcluster always writes one)")
+    declared = frame_size(payload, where=where)
     if declared != raw_len:
         cls = DecompressionBombError if declared > raw_len else DecodeError
         raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
