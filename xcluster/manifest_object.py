@@ -6,7 +6,7 @@ names and the JSON around them repeat; the digests do not). Hashes, links and si
 cover the canonical JSON, never the stored bytes, so a HEAD, a successor's link or a signature
 means the same whichever way the manifest is stored.
 
-Reading is bounded: at most ``MAX_MANIFEST_BYTES + 1`` stored bytes are fetched, and a frame must
+Reading is bounded (zframe.py): at most ``MAX_MANIFEST_BYTES + 1`` stored bytes are fetched, and a frame must
 declare a content size of at most ``MAX_MANIFEST_BYTES`` before anything is decompressed, and
 inflate to exactly that (one frame, nothing after it). Torch-free, like the rest of the read path.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import zstandard
 
-from .codec import streams
 from .errors import DecodeError, DecompressionBombError
 from .format import MAX_MANIFEST_BYTES
+from .zframe import frame_size, inflate
 
 PACKED_SUFFIX = ".zst"
 _SMALL = 1 << 20
@@ -48,8 +48,8 @@ def unpack(name: str, stored: bytes, *, where: str) -> bytes:
         return stored
     if len(stored) > MAX_MANIFEST_BYTES:
         raise DecodeError(f"{where}: {len(stored)} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
-    declared = streams.frame_size(stored, where=where)
+    declared = frame_size(stored, where=where)
     if declared > MAX_MANIFEST_BYTES:
         raise DecompressionBombError(f"{where}: zstd frame declares {declared} bytes, over the "
                                      f"{MAX_MANIFEST_BYTES}-byte manifest limit")
-    return streams.decompress(streams.ZSTD, stored, declared, where=where).tobytes()
+    return inflate(stored, declared, where=where)

@@ -12,6 +12,7 @@ import numpy as np
 import zstandard
 
 from ..errors import DecodeError, DecompressionBombError
+from ..zframe import frame_size, inflate
 
 ZSTD = "zstd"
 RAW = "raw"
@@ -33,18 +34,6 @@ def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -
     return ZSTD, payload
 
 
-def frame_size(payload: bytes | memoryview, *, where: str) -> int:
-    """The content size a zstd frame declares in its header (read before anything is inflated);
-    :class:`DecodeError` for anything but a frame that declares one (xcluster always writes it)."""
-    try:
-        declared = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as exc:
-        raise DecodeError(f"{where}: not a zstd frame ({exc})") from exc
-    if declared < 0:
-        raise DecodeError(f"{where}: zstd frame without a content size (xcluster always writes one)")
-    return declared
-
-
 def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> np.ndarray:
     """Decode one stream to exactly ``raw_len`` bytes (a uint8 array) or raise a named error."""
     if codec == RAW:
@@ -57,14 +46,4 @@ def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: 
     if declared != raw_len:
         cls = DecompressionBombError if declared > raw_len else DecodeError
         raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
-    try:
-        out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len,
-                                                      allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        if "Destination buffer is too small" in str(exc):  # ZSTD_error_dstSize_tooSmall: it inflates past raw_len
-            raise DecompressionBombError(f"{where}: zstd frame declares {raw_len} bytes but inflates past them "
-                                         "(its header lies): a decompression bomb") from exc
-        raise DecodeError(f"{where}: corrupt zstd frame ({exc})") from exc
-    if len(out) != raw_len:
-        raise DecodeError(f"{where}: decoded {len(out)} bytes, manifest says {raw_len}")
-    return np.frombuffer(out, dtype=np.uint8)
+    return np.frombuffer(inflate(payload, raw_len, where=where), dtype=np.uint8)
