@@ -186,7 +186,7 @@ class SegmentReader:
             k = rice_k(sizes, n)
         starts = np.zeros(n.size + 1, dtype=np.int64)
         np.cumsum(n, out=starts[1:])
-        ranks = self._ranks(nnz, n, k)
+        ranks = self._ranks(nnz, n, k, starts)
         pos, idx, ok = exprank.select_sorted(old, present, starts, ranks, shift, mask)
         if not ok:
             raise DecodeError(f"{where}: a rank lies past the end of its group")
@@ -205,9 +205,10 @@ class SegmentReader:
             z[big] = zb
         return pos, z[idx]  # in element order, so the patch lands in memory order
 
-    def _ranks(self, nnz: int, n: np.ndarray, k: np.ndarray) -> np.ndarray:
-        """The ranks of the segment's changes in change order (groups of ``n[i]`` changes, Rice
-        parameter ``k[i]``), from its quotient and remainder pieces; the cursors move past them."""
+    def _ranks(self, nnz: int, n: np.ndarray, k: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The ranks of the segment's changes in change order (group i: ``n[i]`` changes from
+        ``starts[i]`` on, Rice parameter ``k[i]``), from its quotient and remainder pieces; the
+        cursors move past them."""
         where = self.where
         if self.compiled:
             ranks, uend, rend, err = exprank.rice_ranks(self.s[UNARY], self.cur[UNARY], self.s[REMAINDERS],
@@ -243,8 +244,7 @@ class SegmentReader:
         gaps = (q << kk) + rem
         if (gaps >= np.int64(1) << 31).any():  # a segment holds at most 2**31 elements
             raise DecodeError(f"{where}: {exprank.RICE_ERRORS[3]}")
-        first = np.zeros(n.size, dtype=np.int64)
-        np.cumsum(n[:-1], out=first[1:])
+        first = starts[:-1]
         ranks = np.cumsum(gaps + 1) - 1  # ranks inside each group: restart the count at each group
         ranks -= np.repeat(ranks[first] - gaps[first], n)
         return ranks

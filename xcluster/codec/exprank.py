@@ -331,9 +331,11 @@ def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: 
 
 def select_sorted(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int,
                   mask: int, *, numpy: bool = False) -> tuple[np.ndarray, np.ndarray, bool]:
-    """:func:`select` in element order: ``(positions, indices, ok)`` with the positions ascending
-    and ``indices[j]`` the index into ``ranks_`` of the rank ``positions[j]`` has (so patches land
-    in memory order). ``ranks_`` MUST be strictly increasing inside each group."""
+    """The elements with the given ranks: ``ranks_[starts[i]:starts[i+1]]`` (strictly increasing)
+    are ranks in group ``present[i]``. Returns ``(positions, indices, ok)``: the positions
+    ascending, ``indices[j]`` the index into ``ranks_`` of the rank ``positions[j]`` has (so patches
+    land in memory order); ``ok`` is False when a rank lies past the end of its group (the rest is
+    then meaningless)."""
     k = None if numpy else _kernels()
     present = np.ascontiguousarray(present, dtype=np.int64)
     starts = np.ascontiguousarray(starts, dtype=np.int64)
@@ -344,18 +346,3 @@ def select_sorted(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ran
         return out[idx], idx, ok
     pos, idx, ok = k[2](np.ascontiguousarray(bits), present, starts, ranks_, *_args(bits, shift, mask), mask + 1)
     return pos, idx, bool(ok)
-
-
-def select(bits: np.ndarray, present: np.ndarray, starts: np.ndarray, ranks_: np.ndarray, shift: int, mask: int,
-           *, numpy: bool = False) -> tuple[np.ndarray, bool]:
-    """The positions of the elements with the given ranks: ``ranks_[starts[i]:starts[i+1]]``
-    (strictly increasing) are ranks in group ``present[i]``. Returns ``(positions, ok)``; ``ok``
-    is False when a rank lies past the end of its group (the positions are then meaningless)."""
-    if numpy or _kernels() is None:
-        present = np.ascontiguousarray(present, dtype=np.int64)
-        return _select_numpy(bits, present, np.ascontiguousarray(starts, dtype=np.int64),
-                             np.ascontiguousarray(ranks_, dtype=np.int64), shift, mask, mask + 1)
-    pos, idx, ok = select_sorted(bits, present, starts, ranks_, shift, mask)
-    out = np.empty(ranks_.size, dtype=np.int64)  # meaningless where not ok
-    out[idx] = pos
-    return out, ok
