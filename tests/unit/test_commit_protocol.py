@@ -363,3 +363,33 @@ def test_an_interrupt_inside_the_head_write_deletes_nothing(tmp_path):
     res = pub.publish(weights(2))
     assert (res.version, res.kind) == (3, "keyframe")
     assert sub.sync() == 3
+
+
+class LandedThenPreconditionStore(FailingStore):
+    """The first manifest put lands, then answers "precondition failed", as a retried create-once
+    request does when its first try landed but the response was lost; or, with ``other``, another
+    object already sits under the name (an attempt id collision)."""
+
+    def __init__(self, inner, other: bytes | None = None):
+        super().__init__(inner, "/manifest-")
+        self.other, self.done = other, False
+
+    def put(self, key, data, **kw):
+        if "/manifest-" in key and not self.done:
+            from xcluster.errors import PreconditionFailedError
+
+            self.done = True
+            self.inner.put(key, data if self.other is None else self.other)
+            raise PreconditionFailedError(f"{key} exists")
+        return self.inner.put(key, data, **kw)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_a_manifest_write_that_landed_before_its_retry_counts_as_written(tmp_path, packed):
+    cfg = PublisherConfig(compress_manifest=packed)
+    store = LandedThenPreconditionStore(LocalStore(tmp_path / "a"))
+    res = Publisher(store=store, config=cfg).publish(weights(0))
+    assert res.version == 1 and Subscriber(store=store.inner).sync() == 1
+    other = LandedThenPreconditionStore(LocalStore(tmp_path / "b"), other=b"another attempt's manifest")
+    with pytest.raises(ConcurrentPublisherError, match="exists with other content"):
+        Publisher(store=other, config=cfg).publish(weights(0))
