@@ -31,7 +31,7 @@ from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
                      RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
 from .fsutil import write_atomic
-from .format import (INIT_BASE, KEYFRAME, MAX_CHAIN, PLANES, Head, Manifest, TensorEntry, check_run_id, chunk_key,
+from .format import (FILL_ENCODINGS, INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, check_run_id, chunk_key,
                      parse_manifest, xxh3_128)
 from .signing import load_verifier
 from .store import Store, resolve_store
@@ -422,7 +422,7 @@ class Subscriber:
         fills: dict[int, list[int]] = {}
         keep: set[int] = set()
         for bi, b in enumerate(m.blocks):
-            if b.encoding == PLANES:
+            if b.encoding in FILL_ENCODINGS:
                 fills.setdefault(b.chunk, []).append(bi)
             else:
                 keep.add(b.chunk)
@@ -530,7 +530,7 @@ class Subscriber:
             else:
                 target.append(fresh[len(target)])
         applied: list[tuple[torch.Tensor, Patch | Scatter]] = []
-        patches = [bi for bi, b in enumerate(m.blocks) if b.encoding != PLANES]
+        patches = [bi for bi, b in enumerate(m.blocks) if b.encoding not in FILL_ENCODINGS]
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
 

@@ -21,9 +21,9 @@ import torch
 
 from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
-from ..format import (DENSE_SUB, EXP_ENCODINGS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
+from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_RANS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
                       TensorEntry)
-from . import expgroup, streams
+from . import expgroup, rans, streams
 from .changes import unzigzag
 
 PIECE = 1 << 18
@@ -32,7 +32,8 @@ PIECE = 1 << 18
 
 @dataclass(slots=True)
 class Fill:
-    """Raw values for elements ``[start, start + count)`` of a tensor built from scratch."""
+    """Raw values for elements ``[start, start + count)`` of a tensor built from scratch: the byte
+    planes of their raw bits, or (one array of the tensor's width) the raw bits themselves."""
 
     tensor: int
     start: int
@@ -73,6 +74,9 @@ def block_memory(block: BlockEntry) -> int:
         return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 31 + 192)
     if block.encoding == PLANES:
         return sum(raw)  # the planes themselves, applied as views
+    if block.encoding == FULL_RANS:
+        # the streams, the decoded values (held until the block is applied) and a segment's tables
+        return sum(raw) + block.width * sum(s.count for s in block.segments) + 64 * 1024
     n = raw[-1]  # elements carried: count (dense) or nnz (sparse)
     held = n * block.width + (n * GAP_WIDTH if block.encoding == SPARSE_SUB else 0)
     return held + max(raw) + 16 * min(n, PIECE)  # + one plane in flight + a piece's positions
@@ -110,6 +114,12 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
         for seg in block.segments:
             ops.append(Fill(seg.tensor, seg.start, [p[cursor:cursor + seg.count] for p in planes]))
             cursor += seg.count
+        return ops
+    if block.encoding == FULL_RANS:
+        reader = rans.SegmentReader([stream(i) for i in range(len(block.streams))], where=where)
+        for seg in block.segments:
+            ops.append(Fill(seg.tensor, seg.start, [reader.segment(seg.count, tensors[seg.tensor].name)]))
+        reader.finish()
         return ops
     if block.encoding == DENSE_SUB:
         diff = _unzigzag_inplace(joined(0, w, udt))
@@ -155,6 +165,9 @@ def _unzigzag_inplace(z: np.ndarray) -> np.ndarray:
 
 def fill(target: torch.Tensor, op: Fill) -> None:
     w = target.element_size()
+    if len(op.planes) == 1 and op.planes[0].itemsize == w > 1:  # the raw bits themselves
+        np_bits(target)[op.start:op.start + op.planes[0].size] = op.planes[0]
+        return
     dst = np_bytes(target).reshape(-1, w)
     count = op.planes[0].size
     for i, plane in enumerate(op.planes):

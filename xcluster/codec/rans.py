@@ -1,0 +1,426 @@
+"""``full-rans``: whole bf16 values entropy coded with four-lane static rANS (FORMAT.md §5b).
+
+A keyframe carries every weight. Byte planes + zstd spend about 10.96 bits per bf16 element on
+real weights; what can be saved lies in the exponent (about 2.6 bits of entropy in its 8 bits) and
+in the top mantissa bits, whose distribution depends on the exponent. So each element is split
+into a **symbol** — its exponent and top two mantissa bits, bits 5–14, one of 1024 — coded with a
+static rANS coder whose frequencies are stored per segment, and six **raw** bits (the sign and
+the five low mantissa bits) stored as they are: about 10.56 bits per element on real weights.
+
+Four rANS states run side by side (element j belongs to lane j mod 4, each lane with its own word
+stream), so the decoder's four dependency chains overlap; the renormalisation is branch-free.
+
+Two implementations give identical results: loops compiled by numba (imported lazily) and the
+same functions run by Python where numba is missing or broken — about a thousand times slower
+(0.5 MB/s), so readers can always read, with a warning; writers write this encoding only with
+the compiled loops (:func:`compiled`).
+
+Pure: numpy arrays in, numpy arrays and bytes out.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+
+from ..errors import DecodeError
+from ..format import RANS_DTYPES, RANS_TABLE_BYTES
+
+PROB_BITS = 12
+TOTAL = 1 << PROB_BITS
+"""The frequencies of a segment's symbols sum to this."""
+LANES = 4
+STATE_LOW = 1 << 16
+"""A lane's state stays in [STATE_LOW, 2**32) between symbols; words are 16 bits."""
+SYMBOL_SHIFT = 5
+SYMBOLS = 1 << 10
+RAW_BITS = 6
+TABLE_BYTES = RANS_TABLE_BYTES
+"""One segment's piece of the tables stream: the frequencies (uint16) and the lanes' word counts
+(uint32)."""
+assert TABLE_BYTES == 2 * SYMBOLS + 4 * LANES
+STATE_BYTES = 4 * LANES
+DTYPES = RANS_DTYPES
+
+log = logging.getLogger(__name__)
+
+NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
+"""Set to 1 to run the loops in Python (the same results, much slower)."""
+
+_RMAP = np.array([(r & 31) | ((r >> 5) << 15) for r in range(1 << RAW_BITS)], dtype=np.uint16)
+"""raw field -> its bits in the bf16 value (low mantissa bits 0-4, sign bit 15)."""
+
+
+def raw_bytes(count: int) -> int:
+    """Bytes of a segment's piece of the raw stream."""
+    return (RAW_BITS * count + 7) // 8
+
+
+# --- frequencies --------------------------------------------------------------------------------
+def normalize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to TOTAL, at least 1 for every symbol that occurs, close to
+    proportional to ``counts`` (int64): floor(c·TOTAL/n) raised to 1, then the shortfall given one
+    each to the symbols with the largest remainders (ties: lower symbol), or an excess taken one
+    at a time from the largest frequency (ties: lower symbol). Integer arithmetic only, so every
+    writer produces the same bytes."""
+    counts = counts.astype(np.int64)
+    n = int(counts.sum())
+    if n <= 0:
+        raise ValueError("no symbols to normalise")
+    present = counts > 0
+    scaled = counts * TOTAL
+    f = np.where(present, np.maximum(scaled // n, 1), 0)
+    short = TOTAL - int(f.sum())
+    if short > 0:
+        rem = np.where(present & (scaled // n >= 1), scaled % n, -1)
+        order = np.lexsort((np.arange(counts.size), -rem))  # largest remainder first, then symbol
+        f[order[:short]] += 1
+    for _ in range(-short):  # raising rare symbols to 1 overshot: take from the most frequent
+        f[int(np.argmax(f))] -= 1  # argmax: the first (lowest) of equal maxima
+    return f
+
+
+# --- the loops (compiled by numba when it is there) ----------------------------------------------
+def _prepare(u, counts, raw):
+    """Count the symbols of the uint16 values ``u`` into ``counts`` and pack their raw fields into
+    ``raw`` (zeroed, :func:`raw_bytes` long): six bits each, least significant first."""
+    n = u.size
+    main = n - n % 4
+    for k in range(0, main, 4):
+        a = np.int64(u[k])
+        b = np.int64(u[k + 1])
+        c = np.int64(u[k + 2])
+        d = np.int64(u[k + 3])
+        counts[(a >> 5) & 1023] += 1
+        counts[(b >> 5) & 1023] += 1
+        counts[(c >> 5) & 1023] += 1
+        counts[(d >> 5) & 1023] += 1
+        w = (((a & 31) | ((a >> 15) << 5)) | (((b & 31) | ((b >> 15) << 5)) << 6)
+             | (((c & 31) | ((c >> 15) << 5)) << 12) | (((d & 31) | ((d >> 15) << 5)) << 18))
+        o = 3 * (k >> 2)
+        raw[o] = w & 255
+        raw[o + 1] = (w >> 8) & 255
+        raw[o + 2] = (w >> 16) & 255
+    for j in range(main, n):  # at most three
+        a = np.int64(u[j])
+        counts[(a >> 5) & 1023] += 1
+        bit = 6 * j
+        v = ((a & 31) | ((a >> 15) << 5)) << (bit & 7)
+        raw[bit >> 3] |= v & 255
+        if v >> 8:
+            raw[(bit >> 3) + 1] |= v >> 8
+
+
+def _encode_lanes(u, freq, cum, inv, w0, w1, w2, w3, states):
+    """rANS-encode the symbols of the uint16 values ``u`` (element j on lane j % 4), last element
+    first; each lane's words are written backwards from the end of its buffer. ``inv[s]`` is
+    1/freq[s] (the quotient is estimated in floating point, then corrected exactly). Returns the
+    first word index of each lane."""
+    n = u.size
+    xs = np.full(4, STATE_LOW, dtype=np.int64)
+    ps = np.array([w0.size, w1.size, w2.size, w3.size], dtype=np.int64)
+    for j in range(n - 1, n - 1 - n % 4, -1):  # the last, incomplete group, one element at a time
+        lane = j & 3
+        s = (np.int64(u[j]) >> 5) & 1023
+        f = freq[s]
+        x = xs[lane]
+        if x >= (f << 20):
+            ps[lane] -= 1
+            w = w0 if lane == 0 else w1 if lane == 1 else w2 if lane == 2 else w3
+            w[ps[lane]] = x & 0xFFFF
+            x >>= 16
+        xs[lane] = ((x // f) << 12) + (x % f) + cum[s]
+    x0 = xs[0]
+    x1 = xs[1]
+    x2 = xs[2]
+    x3 = xs[3]
+    p0 = ps[0]
+    p1 = ps[1]
+    p2 = ps[2]
+    p3 = ps[3]
+    for k in range(n - n % 4 - 4, -1, -4):
+        s0 = (np.int64(u[k]) >> 5) & 1023
+        s1 = (np.int64(u[k + 1]) >> 5) & 1023
+        s2 = (np.int64(u[k + 2]) >> 5) & 1023
+        s3 = (np.int64(u[k + 3]) >> 5) & 1023
+        f0 = freq[s0]
+        f1 = freq[s1]
+        f2 = freq[s2]
+        f3 = freq[s3]
+        if x0 >= (f0 << 20):
+            p0 -= 1
+            w0[p0] = x0 & 0xFFFF
+            x0 >>= 16
+        if x1 >= (f1 << 20):
+            p1 -= 1
+            w1[p1] = x1 & 0xFFFF
+            x1 >>= 16
+        if x2 >= (f2 << 20):
+            p2 -= 1
+            w2[p2] = x2 & 0xFFFF
+            x2 >>= 16
+        if x3 >= (f3 << 20):
+            p3 -= 1
+            w3[p3] = x3 & 0xFFFF
+            x3 >>= 16
+        q0 = np.int64(x0 * inv[s0])
+        q1 = np.int64(x1 * inv[s1])
+        q2 = np.int64(x2 * inv[s2])
+        q3 = np.int64(x3 * inv[s3])
+        r0 = x0 - q0 * f0
+        r1 = x1 - q1 * f1
+        r2 = x2 - q2 * f2
+        r3 = x3 - q3 * f3
+        if r0 < 0 or r0 >= f0:
+            q0 = x0 // f0
+            r0 = x0 - q0 * f0
+        if r1 < 0 or r1 >= f1:
+            q1 = x1 // f1
+            r1 = x1 - q1 * f1
+        if r2 < 0 or r2 >= f2:
+            q2 = x2 // f2
+            r2 = x2 - q2 * f2
+        if r3 < 0 or r3 >= f3:
+            q3 = x3 // f3
+            r3 = x3 - q3 * f3
+        x0 = (q0 << 12) + r0 + cum[s0]
+        x1 = (q1 << 12) + r1 + cum[s1]
+        x2 = (q2 << 12) + r2 + cum[s2]
+        x3 = (q3 << 12) + r3 + cum[s3]
+    states[0] = x0
+    states[1] = x1
+    states[2] = x2
+    states[3] = x3
+    return p0, p1, p2, p3
+
+
+def _decode_lanes(fr, bias, hi, rmap, states, words, bounds, raw, n, out):
+    """Decode ``n`` values into ``out``. ``words`` holds the four lanes' words one after another,
+    lane k in ``[bounds[k], bounds[k + 1])``. Returns ``(ok, x0..x3, q0..q3)``: ok is 0 when a lane
+    needed a word it did not have (nothing read past its words); the final states and the word
+    index each lane stopped at, for the caller to check."""
+    x0 = np.int64(states[0])
+    x1 = np.int64(states[1])
+    x2 = np.int64(states[2])
+    x3 = np.int64(states[3])
+    q0 = np.int64(bounds[0])
+    q1 = np.int64(bounds[1])
+    q2 = np.int64(bounds[2])
+    q3 = np.int64(bounds[3])
+    e0 = np.int64(bounds[1])
+    e1 = np.int64(bounds[2])
+    e2 = np.int64(bounds[3])
+    e3 = np.int64(bounds[4])
+    groups = n // 4
+    g = 0
+    while g < groups:
+        # each lane reads at most one word per group: this many groups cannot run out of words
+        room = min(e0 - q0, e1 - q1, e2 - q2, e3 - q3)
+        stop = min(groups, g + room)
+        for k in range(g, stop):
+            b = 3 * k
+            w = np.int64(raw[b]) | (np.int64(raw[b + 1]) << 8) | (np.int64(raw[b + 2]) << 16)
+            s0 = x0 & 4095
+            s1 = x1 & 4095
+            s2 = x2 & 4095
+            s3 = x3 & 4095
+            x0 = np.int64(fr[s0]) * (x0 >> 12) + np.int64(bias[s0])
+            x1 = np.int64(fr[s1]) * (x1 >> 12) + np.int64(bias[s1])
+            x2 = np.int64(fr[s2]) * (x2 >> 12) + np.int64(bias[s2])
+            x3 = np.int64(fr[s3]) * (x3 >> 12) + np.int64(bias[s3])
+            y0 = (x0 << 16) | np.int64(words[q0])
+            y1 = (x1 << 16) | np.int64(words[q1])
+            y2 = (x2 << 16) | np.int64(words[q2])
+            y3 = (x3 << 16) | np.int64(words[q3])
+            c0 = x0 < 65536
+            c1 = x1 < 65536
+            c2 = x2 < 65536
+            c3 = x3 < 65536
+            x0 = y0 if c0 else x0
+            x1 = y1 if c1 else x1
+            x2 = y2 if c2 else x2
+            x3 = y3 if c3 else x3
+            q0 += c0
+            q1 += c1
+            q2 += c2
+            q3 += c3
+            o = 4 * k
+            out[o] = hi[s0] | rmap[w & 63]
+            out[o + 1] = hi[s1] | rmap[(w >> 6) & 63]
+            out[o + 2] = hi[s2] | rmap[(w >> 12) & 63]
+            out[o + 3] = hi[s3] | rmap[(w >> 18) & 63]
+        if stop == g:  # a lane is at its last words: the rest one element at a time, below
+            break
+        g = stop
+    j = 4 * g
+    while j < n:
+        lane = j & 3
+        x = x0 if lane == 0 else x1 if lane == 1 else x2 if lane == 2 else x3
+        q = q0 if lane == 0 else q1 if lane == 1 else q2 if lane == 2 else q3
+        e = e0 if lane == 0 else e1 if lane == 1 else e2 if lane == 2 else e3
+        s = x & 4095
+        x = np.int64(fr[s]) * (x >> 12) + np.int64(bias[s])
+        if x < 65536:
+            if q >= e:
+                return 0, x0, x1, x2, x3, q0, q1, q2, q3
+            x = (x << 16) | np.int64(words[q])
+            q += 1
+        bit = RAW_BITS * j
+        b = bit >> 3
+        v = np.int64(raw[b])
+        if b + 1 < raw.size:
+            v |= np.int64(raw[b + 1]) << 8
+        out[j] = hi[s] | rmap[(v >> (bit & 7)) & 63]
+        if lane == 0:
+            x0 = x
+            q0 = q
+        elif lane == 1:
+            x1 = x
+            q1 = q
+        elif lane == 2:
+            x2 = x
+            q2 = q
+        else:
+            x3 = x
+            q3 = q
+        j += 1
+    return 1, x0, x1, x2, x3, q0, q1, q2, q3
+
+
+@functools.cache
+def _kernels():
+    """``(prepare, encode, decode)``: compiled, or the Python functions when numba is missing, broken or
+    turned off (see :func:`compiled`)."""
+    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        from numba import njit
+    except ImportError:
+        return None
+    for cache in (True, False):  # no writable place for numba's on-disk cache: compile in memory
+        try:
+            opts = dict(nogil=True, cache=cache, boundscheck=False, error_model="numpy")
+            loops = njit(**opts)(_prepare), njit(**opts)(_encode_lanes), njit(**opts)(_decode_lanes)
+            _smoke(loops)
+            return loops
+        except Exception:
+            continue
+    return None
+
+
+def compiled() -> bool:
+    """Whether the compiled loops are in use (writers write ``full-rans`` only then)."""
+    return _kernels() is not None
+
+
+def _loops(python: bool):
+    k = None if python else _kernels()
+    return (_prepare, _encode_lanes, _decode_lanes) if k is None else k
+
+
+def _smoke(loops) -> None:
+    """Compile the loops now (a broken numba fails here, not in the middle of a version)."""
+    u = np.arange(67, dtype=np.uint16) * 997
+    t, w, r = encode(u, loops=loops)
+    if not np.array_equal(SegmentReader([t, w, r], loops=loops).segment(u.size, "smoke"), u):
+        raise RuntimeError("rans loops disagree")
+
+
+# --- one segment ------------------------------------------------------------------------------
+def encode(values: np.ndarray, *, loops=None, python: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The three pieces of one segment (tables, words, raw) for the uint16 raw bits ``values``."""
+    prepare, enc, _ = loops if loops is not None else _loops(python)
+    u = np.ascontiguousarray(values, dtype=np.uint16)
+    n = u.size
+    counts = np.zeros(SYMBOLS, dtype=np.int64)
+    raw = np.zeros(raw_bytes(n), dtype=np.uint8)
+    prepare(u, counts, raw)
+    freq = normalize(counts)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
+    inv = 1.0 / np.maximum(freq, 1)
+    per_lane = (n + 3) // 4
+    bufs = [np.empty(per_lane, dtype=np.uint16) for _ in range(LANES)]
+    states = np.empty(LANES, dtype=np.int64)
+    starts = enc(u, freq, cum, inv, *bufs, states)
+    lanes = [b[s:] for b, s in zip(bufs, starts)]
+    table = np.concatenate((freq.astype("<u2").view(np.uint8),
+                            np.array([x.size for x in lanes], dtype="<u4").view(np.uint8)))
+    words = np.concatenate([states.astype("<u4").view(np.uint8)] + [x.astype("<u2").view(np.uint8) for x in lanes])
+    return table, words, raw
+
+
+@functools.cache
+def _warn_python() -> None:
+    log.warning("numba is missing or broken: full-rans blocks are decoded in Python, at about 0.5 MB/s "
+                "(pip install numba)")
+
+
+class SegmentReader:
+    """Reads a block's segments in order from its three decoded streams, checking everything
+    FORMAT.md §5b asks of a reader."""
+
+    def __init__(self, streams: list[np.ndarray], *, where: str = "", loops=None, python: bool = False) -> None:
+        self.tables, self.words, self.raw = streams
+        self.where = where
+        self._dec = (loops if loops is not None else _loops(python))[2]
+        if loops is None and not python and not compiled():
+            _warn_python()
+        self.t = self.w = self.r = 0
+
+    def segment(self, count: int, name: str) -> np.ndarray:
+        """The next segment's ``count`` values (uint16), or a DecodeError."""
+        where = f"{self.where}: full-rans segment of {name}"
+        if self.t + TABLE_BYTES > self.tables.size:
+            raise DecodeError(f"{where}: the tables stream ends early")
+        tab = self.tables[self.t:self.t + TABLE_BYTES]
+        self.t += TABLE_BYTES
+        freq = tab[:2 * SYMBOLS].view("<u2").astype(np.int64)
+        nwords = tab[2 * SYMBOLS:].view("<u4").astype(np.int64)
+        if int(freq.sum()) != TOTAL:
+            raise DecodeError(f"{where}: symbol frequencies sum to {int(freq.sum())}, not {TOTAL}")
+        per_lane = [(count - k + 3) // 4 for k in range(LANES)]
+        if any(int(nw) > pl for nw, pl in zip(nwords, per_lane)):
+            raise DecodeError(f"{where}: a lane declares more words than it has elements")
+        need = STATE_BYTES + 2 * int(nwords.sum())
+        if self.w + need > self.words.size:
+            raise DecodeError(f"{where}: the words stream holds {self.words.size - self.w} more bytes, "
+                              f"the segment needs {need}")
+        piece = self.words[self.w:self.w + need]
+        self.w += need
+        states = piece[:STATE_BYTES].view("<u4").astype(np.int64)
+        if bool((states < STATE_LOW).any()):
+            raise DecodeError(f"{where}: a lane's initial state is below {STATE_LOW}")
+        words = piece[STATE_BYTES:].view("<u2")
+        if not words.flags.aligned or words.dtype != np.uint16:
+            words = words.astype(np.uint16)
+        rb = raw_bytes(count)
+        if self.r + rb > self.raw.size:
+            raise DecodeError(f"{where}: the raw stream ends early")
+        raw = self.raw[self.r:self.r + rb]
+        self.r += rb
+        if count % 4 and RAW_BITS * count % 8 and int(raw[-1]) >> (RAW_BITS * count % 8):
+            raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
+        sym_of = np.repeat(np.arange(SYMBOLS, dtype=np.int64), freq)
+        cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
+        fr = freq[sym_of].astype(np.int32)
+        bias = (np.arange(TOTAL, dtype=np.int64) - cum[sym_of]).astype(np.int32)
+        hi = (sym_of << SYMBOL_SHIFT).astype(np.uint16)
+        bounds = np.concatenate(([0], np.cumsum(nwords))).astype(np.int64)
+        out = np.empty(count, dtype=np.uint16)
+        ok, *rest = self._dec(fr, bias, hi, _RMAP, states, words, bounds, raw, count, out)
+        xs, qs = rest[:4], rest[4:]
+        if not ok:
+            raise DecodeError(f"{where}: a lane ran out of words")
+        if any(int(x) != STATE_LOW for x in xs) or any(int(q) != int(bounds[k + 1]) for k, q in enumerate(qs)):
+            raise DecodeError(f"{where}: the lanes do not end where they began (corrupt words or frequencies)")
+        return out
+
+    def finish(self) -> None:
+        """Every stream read to its end."""
+        for name, pos, arr in (("tables", self.t, self.tables), ("words", self.w, self.words),
+                               ("raw", self.r, self.raw)):
+            if pos != arr.size:
+                raise DecodeError(f"{self.where}: {arr.size - pos} bytes left over in the full-rans {name} stream")
