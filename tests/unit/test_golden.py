@@ -27,7 +27,10 @@ GOLDEN_V4_0 = Path(__file__).parent.parent / "golden" / "v4-0" / "store"
 GOLDEN_V5 = Path(__file__).parent.parent / "golden" / "v5" / "store"
 """Schema 5: the v4 versions as writers write them now: sparse-exp2 blocks (Rice parameters stored),
 manifests packed (``manifest-<attempt>.json.zst``, HEAD schema 3), signed."""
-EXP_GOLDENS = {GOLDEN_V4: ("sparse-exp", 4), GOLDEN_V4_0: ("sparse-exp", 4), GOLDEN_V5: ("sparse-exp2", 5)}
+GOLDEN_V6 = Path(__file__).parent.parent / "golden" / "v6" / "store"
+"""Schema 6: the v5 store with ``rans_full``: the keyframe's bf16 ranges are full-rans blocks (FORMAT.md §5b)."""
+EXP_GOLDENS = {GOLDEN_V4: ("sparse-exp", 4), GOLDEN_V4_0: ("sparse-exp", 4), GOLDEN_V5: ("sparse-exp2", 5),
+               GOLDEN_V6: ("sparse-exp2", 5)}
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
 so the signed golden objects pin the signature bytes too."""
@@ -99,14 +102,29 @@ def golden_versions_v4() -> list[dict[str, torch.Tensor]]:
     return versions
 
 
-def write_v5(root: Path) -> None:
+def golden_versions_v6() -> list[dict[str, torch.Tensor]]:
+    """The v4 versions plus ``g``, bf16 weights whose exponents fall off geometrically below 120 (as
+    real weights' do), so full-rans beats byte planes on it; it does not change."""
+    # the high bits of two LCG sequences (an LCG's low bits have short periods, which zstd would find)
+    ys = [(b >> 12) | 1 << 20 for b in _bits(2048, seed=61)]
+    raw = [((a >> 31) << 15) | ((121 - (y & -y).bit_length()) << 7) | ((a >> 24) & 127)
+           for a, y in zip(_bits(2048, seed=60), ys)]
+    g = torch.tensor(raw, dtype=torch.int64).to(torch.int16).view(torch.bfloat16)
+    return [dict(v, g=g) for v in golden_versions_v4()]
+
+
+def write_v5(root: Path, *, rans_full: bool = False) -> None:
     pub = Publisher(store=LocalStore(root, fsync=False),
                     config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
-                                                                                 exp_groups=True),
+                                                                                 exp_groups=True, rans_full=rans_full),
                                            run_id="golden", compress_manifest=True, signing_key=str(GOLDEN_KEY)),
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
-    for i, sd in enumerate(golden_versions_v4()):
+    for i, sd in enumerate(golden_versions_v6() if rans_full else golden_versions_v4()):
         pub.publish(sd, step=i)
+
+
+def write_v6(root: Path) -> None:
+    write_v5(root, rans_full=True)
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -114,7 +132,8 @@ def files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5)], ids=["v2", "v5"])
+@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5), (write_v6, GOLDEN_V6)],
+                         ids=["v2", "v5", "v6"])
 def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
         shutil.rmtree(golden, ignore_errors=True)
@@ -126,22 +145,26 @@ def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
         assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
-@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5"])
+@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5", "v6"])
 def test_golden_exp_objects_decode(tmp_path, golden):
     encoding, schema = EXP_GOLDENS[golden]
-    packed = golden == GOLDEN_V5
+    packed = golden in (GOLDEN_V5, GOLDEN_V6)
     shutil.copytree(golden, tmp_path / "s")
     paths = sorted((tmp_path / "s" / "versions").rglob("manifest-*"))
     assert [p.name.endswith(".json.zst") for p in paths] == [packed] * 3
     manifests = [json.loads(unpack(p.name, p.read_bytes(), where=p.name)) for p in paths]
-    assert [m["schema_version"] for m in manifests] == [2, schema, schema]
+    assert [m["schema_version"] for m in manifests] == [6 if golden == GOLDEN_V6 else 2, schema, schema]
+    if golden == GOLDEN_V6:  # the keyframe's bf16 ranges are full-rans, the other dtypes planes
+        key = manifests[0]
+        by = {b["encoding"]: {key["tensors"][s[0]]["dtype"] for s in b["segments"]} for b in key["blocks"]}
+        assert by["full-rans"] == {"bfloat16"} and "bfloat16" not in by["planes"]
     assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["schema_version"] == (3 if packed else 2)
     for m in manifests[1:]:  # every dtype with exponent groups has a block of the exponent encoding
         exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == encoding for s in b["segments"]}
         assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
     trust = (str(GOLDEN_KEY) + ".pub",) if packed else ()
     sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
-    for v, sd in enumerate(golden_versions_v4(), 1):
+    for v, sd in enumerate(golden_versions_v6() if golden == GOLDEN_V6 else golden_versions_v4(), 1):
         assert sub.sync(until=v) == v
         assert_state_equal(sub.state_dict(), sd)
     late = Subscriber(str(tmp_path / "s"))  # joins at the keyframe and replays: the same weights
