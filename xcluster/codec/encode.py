@@ -309,13 +309,18 @@ def _rans_full(t: torch.Tensor, config: CodecConfig) -> bool:
 
 def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tuple[str, list[np.ndarray]]:
     """``planes`` or ``full-rans`` pieces of one range of whole values, whichever is smaller as
-    stored (ties: planes). The rANS words and raw bits are stored as they are (zstd finds nothing
-    in them); byte planes win only on values with little variety (a constant, a few levels)."""
+    stored (ties: planes). Byte planes win only on values with little variety or with repeats
+    (a constant, a few levels, repeated rows), and those show in the raw fields (sign and low
+    mantissa bits, near random in trained weights): only when zstd shrinks them are the planes
+    compressed to compare, which would cost as much as the rANS coding itself."""
     pieces = list(rans.encode(bits))
-    coded = len(streams.compress([pieces[0]], level=config.zstd_level)[1]) + pieces[1].nbytes + pieces[2].nbytes
+    raw = pieces[2].nbytes
+    raw_stored = len(streams.compress([pieces[2]], level=config.zstd_level)[1])
+    coded = len(streams.compress([pieces[0]], level=config.zstd_level)[1]) + pieces[1].nbytes + raw_stored
     if coded >= bits.nbytes:
         return PLANES, planes
-    if coded >= sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in planes):
+    if raw_stored < 0.95 * raw and \
+            coded >= sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in planes):
         return PLANES, planes
     return FULL_RANS, pieces
 
