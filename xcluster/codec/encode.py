@@ -250,7 +250,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
             return None
         kind, planes, nnz, pos, values, exp = out
         encoding = {"planes": PLANES, "dense": DENSE_SUB, "sparse": SPARSE_SUB}[kind]
-        if encoding == PLANES and _rans_full(new, config):
+        if encoding == PLANES and _rans_full(new, count, config):
             encoding, planes = _full(planes, join_planes(planes, UINT[w]), config)
         if exp is not None:
             order, ranks, sizes, counts = exp
@@ -262,7 +262,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     nnp = _host_bits(new, r.start, r.end)
     if r.full:
         encoding, pieces = PLANES, split_planes(nnp)
-        if _rans_full(new, config):
+        if _rans_full(new, count, config):
             encoding, pieces = _full(pieces, nnp, config)
         return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(Segment(r.t_idx, r.start, count, count),
                                                                     pieces), count, None, None)
@@ -302,9 +302,15 @@ def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
     return name if name in expgroup.EXP_FIELDS else None
 
 
-def _rans_full(t: torch.Tensor, config: CodecConfig) -> bool:
-    """Whether ``t``'s full ranges may be written as ``full-rans``."""
-    return config.rans_full and dtype_name(t.dtype) in RANS_DTYPES and rans.compiled()
+RANS_MIN_ELEMENTS = 1024
+"""Ranges of whole values shorter than this stay byte planes: a full-rans segment's tables (2 KiB
+raw, ~60 bytes stored) and their setup (~30 µs to decode) outweigh what it saves there."""
+
+
+def _rans_full(t: torch.Tensor, count: int, config: CodecConfig) -> bool:
+    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-rans``."""
+    return (config.rans_full and count >= RANS_MIN_ELEMENTS and dtype_name(t.dtype) in RANS_DTYPES
+            and rans.compiled())
 
 
 def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tuple[str, list[np.ndarray]]:

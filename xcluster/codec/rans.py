@@ -21,6 +21,7 @@ Pure: numpy arrays in, numpy arrays and bytes out.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 
@@ -197,102 +198,120 @@ def _encode_lanes(u, freq, cum, inv, w0, w1, w2, w3, states):
     return p0, p1, p2, p3
 
 
-def _decode_lanes(fr, bias, hi, rmap, states, words, bounds, raw, n, out):
-    """Decode ``n`` values into ``out``. ``words`` holds the four lanes' words one after another,
-    lane k in ``[bounds[k], bounds[k + 1])``. Returns ``(ok, x0..x3, q0..q3)``: ok is 0 when a lane
-    needed a word it did not have (nothing read past its words); the final states and the word
-    index each lane stopped at, for the caller to check."""
-    x0 = np.int64(states[0])
-    x1 = np.int64(states[1])
-    x2 = np.int64(states[2])
-    x3 = np.int64(states[3])
-    q0 = np.int64(bounds[0])
-    q1 = np.int64(bounds[1])
-    q2 = np.int64(bounds[2])
-    q3 = np.int64(bounds[3])
-    e0 = np.int64(bounds[1])
-    e1 = np.int64(bounds[2])
-    e2 = np.int64(bounds[3])
-    e3 = np.int64(bounds[4])
-    groups = n // 4
-    g = 0
-    while g < groups:
-        # each lane reads at most one word per group: this many groups cannot run out of words
-        room = min(e0 - q0, e1 - q1, e2 - q2, e3 - q3)
-        stop = min(groups, g + room)
-        for k in range(g, stop):
-            b = 3 * k
-            w = np.int64(raw[b]) | (np.int64(raw[b + 1]) << 8) | (np.int64(raw[b + 2]) << 16)
-            s0 = x0 & 4095
-            s1 = x1 & 4095
-            s2 = x2 & 4095
-            s3 = x3 & 4095
-            x0 = np.int64(fr[s0]) * (x0 >> 12) + np.int64(bias[s0])
-            x1 = np.int64(fr[s1]) * (x1 >> 12) + np.int64(bias[s1])
-            x2 = np.int64(fr[s2]) * (x2 >> 12) + np.int64(bias[s2])
-            x3 = np.int64(fr[s3]) * (x3 >> 12) + np.int64(bias[s3])
-            y0 = (x0 << 16) | np.int64(words[q0])
-            y1 = (x1 << 16) | np.int64(words[q1])
-            y2 = (x2 << 16) | np.int64(words[q2])
-            y3 = (x3 << 16) | np.int64(words[q3])
-            c0 = x0 < 65536
-            c1 = x1 < 65536
-            c2 = x2 < 65536
-            c3 = x3 < 65536
-            x0 = y0 if c0 else x0
-            x1 = y1 if c1 else x1
-            x2 = y2 if c2 else x2
-            x3 = y3 if c3 else x3
-            q0 += c0
-            q1 += c1
-            q2 += c2
-            q3 += c3
-            o = 4 * k
-            out[o] = hi[s0] | rmap[w & 63]
-            out[o + 1] = hi[s1] | rmap[(w >> 6) & 63]
-            out[o + 2] = hi[s2] | rmap[(w >> 12) & 63]
-            out[o + 3] = hi[s3] | rmap[(w >> 18) & 63]
-        if stop == g:  # a lane is at its last words: the rest one element at a time, below
-            break
-        g = stop
-    j = 4 * g
-    while j < n:
-        lane = j & 3
-        x = x0 if lane == 0 else x1 if lane == 1 else x2 if lane == 2 else x3
-        q = q0 if lane == 0 else q1 if lane == 1 else q2 if lane == 2 else q3
-        e = e0 if lane == 0 else e1 if lane == 1 else e2 if lane == 2 else e3
-        s = x & 4095
-        x = np.int64(fr[s]) * (x >> 12) + np.int64(bias[s])
-        if x < 65536:
-            if q >= e:
-                return 0, x0, x1, x2, x3, q0, q1, q2, q3
-            x = (x << 16) | np.int64(words[q])
-            q += 1
-        bit = RAW_BITS * j
-        b = bit >> 3
-        v = np.int64(raw[b])
-        if b + 1 < raw.size:
-            v |= np.int64(raw[b + 1]) << 8
-        out[j] = hi[s] | rmap[(v >> (bit & 7)) & 63]
-        if lane == 0:
-            x0 = x
-            q0 = q
-        elif lane == 1:
-            x1 = x
-            q1 = q
-        elif lane == 2:
-            x2 = x
-            q2 = q
-        else:
-            x3 = x
-            q3 = q
-        j += 1
-    return 1, x0, x1, x2, x3, q0, q1, q2, q3
+def _fill_table(freq, table):
+    """``table[slot]`` for the 4096 slots of frequencies ``freq`` (summing to 4096, checked by the
+    caller): symbol bits << 32 | frequency << 12 | slot − cumulative frequency."""
+    slot = 0
+    for s in range(freq.size):
+        f = np.int64(freq[s])
+        for k in range(f):
+            table[slot] = (np.int64(s) << (32 + SYMBOL_SHIFT)) | (f << 12) | k
+            slot += 1
+
+
+def _groups(table, rmap, words, raw, out, g, stop, xs, qs):
+    """Decode groups ``g … stop-1`` (elements 4g … 4·stop-1), which the caller made sure cannot
+    run a lane out of words, from and into the lane states ``xs`` and word indices ``qs``.
+    ``table[slot]`` = symbol bits << 32 | frequency << 12 | slot − cumulative frequency. Unsigned
+    indices and one table keep the loop's values in registers."""
+    x0 = xs[0]
+    x1 = xs[1]
+    x2 = xs[2]
+    x3 = xs[3]
+    q0 = np.uint64(qs[0])
+    q1 = np.uint64(qs[1])
+    q2 = np.uint64(qs[2])
+    q3 = np.uint64(qs[3])
+    b = np.uint64(3 * g)
+    o = np.uint64(4 * g)
+    for _ in range(stop - g):
+        w = np.int64(raw[b]) | (np.int64(raw[b + np.uint64(1)]) << 8) | (np.int64(raw[b + np.uint64(2)]) << 16)
+        e = table[x0 & 4095]
+        x0 = ((e >> 12) & 0x1FFF) * (x0 >> 12) + (e & 4095)
+        y = (x0 << 16) | np.int64(words[q0])
+        c = x0 < 65536
+        x0 = y if c else x0
+        q0 += np.uint64(c)
+        out[o] = np.uint16(e >> 32) | rmap[w & 63]
+        e = table[x1 & 4095]
+        x1 = ((e >> 12) & 0x1FFF) * (x1 >> 12) + (e & 4095)
+        y = (x1 << 16) | np.int64(words[q1])
+        c = x1 < 65536
+        x1 = y if c else x1
+        q1 += np.uint64(c)
+        out[o + np.uint64(1)] = np.uint16(e >> 32) | rmap[(w >> 6) & 63]
+        e = table[x2 & 4095]
+        x2 = ((e >> 12) & 0x1FFF) * (x2 >> 12) + (e & 4095)
+        y = (x2 << 16) | np.int64(words[q2])
+        c = x2 < 65536
+        x2 = y if c else x2
+        q2 += np.uint64(c)
+        out[o + np.uint64(2)] = np.uint16(e >> 32) | rmap[(w >> 12) & 63]
+        e = table[x3 & 4095]
+        x3 = ((e >> 12) & 0x1FFF) * (x3 >> 12) + (e & 4095)
+        y = (x3 << 16) | np.int64(words[q3])
+        c = x3 < 65536
+        x3 = y if c else x3
+        q3 += np.uint64(c)
+        out[o + np.uint64(3)] = np.uint16(e >> 32) | rmap[(w >> 18) & 63]
+        b += np.uint64(3)
+        o += np.uint64(4)
+    xs[0] = x0
+    xs[1] = x1
+    xs[2] = x2
+    xs[3] = x3
+    qs[0] = np.int64(q0)
+    qs[1] = np.int64(q1)
+    qs[2] = np.int64(q2)
+    qs[3] = np.int64(q3)
+
+
+def _make_decode(groups):
+    def decode(table, rmap, states, words, bounds, raw, n, out):
+        """Decode ``n`` values into ``out``. ``words`` holds the four lanes' words one after
+        another, lane k in ``[bounds[k], bounds[k + 1])``. Returns ``(ok, xs, qs)``: ok is False
+        when a lane needed a word it did not have (nothing is read past its words); the final
+        states and the word index each lane stopped at, for the caller to check."""
+        xs = states.copy()
+        qs = bounds[:4].copy()
+        n_groups = n // 4
+        g = 0
+        while g < n_groups:
+            # a lane reads at most one word per group: this many groups cannot run out of words
+            room = min(bounds[1] - qs[0], bounds[2] - qs[1], bounds[3] - qs[2], bounds[4] - qs[3])
+            if room == 0:  # a lane is at its last word: the rest one element at a time, below
+                break
+            stop = min(n_groups, g + room)
+            groups(table, rmap, words, raw, out, g, stop, xs, qs)
+            g = stop
+        for j in range(4 * g, n):
+            lane = j & 3
+            x = xs[lane]
+            e = table[x & 4095]
+            x = ((e >> 12) & 0x1FFF) * (x >> 12) + (e & 4095)
+            if x < 65536:
+                if qs[lane] >= bounds[lane + 1]:
+                    return False, xs, qs
+                x = (x << 16) | np.int64(words[qs[lane]])
+                qs[lane] += 1
+            xs[lane] = x
+            bit = RAW_BITS * j
+            v = np.int64(raw[bit >> 3])
+            if (bit >> 3) + 1 < raw.size:
+                v |= np.int64(raw[(bit >> 3) + 1]) << 8
+            out[j] = np.uint16(e >> 32) | rmap[(v >> (bit & 7)) & 63]
+        return True, xs, qs
+
+    return decode
+
+
+_PYTHON = (_prepare, _encode_lanes, _make_decode(_groups), _fill_table)
+"""The loops run by Python (no numba)."""
 
 
 @functools.cache
 def _kernels():
-    """``(prepare, encode, decode)``: compiled, or the Python functions when numba is missing, broken or
+    """``(prepare, encode, decode, fill_table)``: compiled, or the Python functions when numba is missing, broken or
     turned off (see :func:`compiled`)."""
     if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
         return None
@@ -303,7 +322,8 @@ def _kernels():
     for cache in (True, False):  # no writable place for numba's on-disk cache: compile in memory
         try:
             opts = dict(nogil=True, cache=cache, boundscheck=False, error_model="numpy")
-            loops = njit(**opts)(_prepare), njit(**opts)(_encode_lanes), njit(**opts)(_decode_lanes)
+            loops = (njit(**opts)(_prepare), njit(**opts)(_encode_lanes),
+                     njit(**opts)(_make_decode(njit(**opts)(_groups))), njit(**opts)(_fill_table))
             _smoke(loops)
             return loops
         except Exception:
@@ -318,7 +338,7 @@ def compiled() -> bool:
 
 def _loops(python: bool):
     k = None if python else _kernels()
-    return (_prepare, _encode_lanes, _decode_lanes) if k is None else k
+    return _PYTHON if k is None else k
 
 
 def _smoke(loops) -> None:
@@ -332,7 +352,7 @@ def _smoke(loops) -> None:
 # --- one segment ------------------------------------------------------------------------------
 def encode(values: np.ndarray, *, loops=None, python: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The three pieces of one segment (tables, words, raw) for the uint16 raw bits ``values``."""
-    prepare, enc, _ = loops if loops is not None else _loops(python)
+    prepare, enc = (loops if loops is not None else _loops(python))[:2]
     u = np.ascontiguousarray(values, dtype=np.uint16)
     n = u.size
     counts = np.zeros(SYMBOLS, dtype=np.int64)
@@ -365,8 +385,9 @@ class SegmentReader:
     def __init__(self, streams: list[np.ndarray], *, where: str = "", loops=None, python: bool = False) -> None:
         self.tables, self.words, self.raw = streams
         self.where = where
-        self._dec = (loops if loops is not None else _loops(python))[2]
-        if loops is None and not python and not compiled():
+        loops = loops if loops is not None else _loops(python)
+        self._table, self._dec = loops[3], loops[2]
+        if loops is _PYTHON and not python:
             _warn_python()
         self.t = self.w = self.r = 0
 
@@ -377,21 +398,21 @@ class SegmentReader:
             raise DecodeError(f"{where}: the tables stream ends early")
         tab = self.tables[self.t:self.t + TABLE_BYTES]
         self.t += TABLE_BYTES
-        freq = tab[:2 * SYMBOLS].view("<u2").astype(np.int64)
-        nwords = tab[2 * SYMBOLS:].view("<u4").astype(np.int64)
-        if int(freq.sum()) != TOTAL:
-            raise DecodeError(f"{where}: symbol frequencies sum to {int(freq.sum())}, not {TOTAL}")
-        per_lane = [(count - k + 3) // 4 for k in range(LANES)]
-        if any(int(nw) > pl for nw, pl in zip(nwords, per_lane)):
+        freq = tab[:2 * SYMBOLS].view("<u2")
+        nwords = tab[2 * SYMBOLS:].view("<u4").tolist()
+        total = int(freq.sum(dtype=np.int64))
+        if total != TOTAL:
+            raise DecodeError(f"{where}: symbol frequencies sum to {total}, not {TOTAL}")
+        if any(nw > (count - k + 3) // 4 for k, nw in enumerate(nwords)):
             raise DecodeError(f"{where}: a lane declares more words than it has elements")
-        need = STATE_BYTES + 2 * int(nwords.sum())
+        need = STATE_BYTES + 2 * sum(nwords)
         if self.w + need > self.words.size:
             raise DecodeError(f"{where}: the words stream holds {self.words.size - self.w} more bytes, "
                               f"the segment needs {need}")
         piece = self.words[self.w:self.w + need]
         self.w += need
         states = piece[:STATE_BYTES].view("<u4").astype(np.int64)
-        if bool((states < STATE_LOW).any()):
+        if min(states.tolist()) < STATE_LOW:
             raise DecodeError(f"{where}: a lane's initial state is below {STATE_LOW}")
         words = piece[STATE_BYTES:].view("<u2")
         if not words.flags.aligned or words.dtype != np.uint16:
@@ -401,20 +422,18 @@ class SegmentReader:
             raise DecodeError(f"{where}: the raw stream ends early")
         raw = self.raw[self.r:self.r + rb]
         self.r += rb
-        if count % 4 and RAW_BITS * count % 8 and int(raw[-1]) >> (RAW_BITS * count % 8):
+        if count % 4 and int(raw[-1]) >> (RAW_BITS * count % 8):
             raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
-        sym_of = np.repeat(np.arange(SYMBOLS, dtype=np.int64), freq)
-        cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
-        fr = freq[sym_of].astype(np.int32)
-        bias = (np.arange(TOTAL, dtype=np.int64) - cum[sym_of]).astype(np.int32)
-        hi = (sym_of << SYMBOL_SHIFT).astype(np.uint16)
-        bounds = np.concatenate(([0], np.cumsum(nwords))).astype(np.int64)
+        if not freq.flags.aligned or freq.dtype != np.uint16:
+            freq = freq.astype(np.uint16)
+        table = np.empty(TOTAL, dtype=np.int64)
+        self._table(freq, table)
+        bounds = np.array([0, *itertools.accumulate(nwords)], dtype=np.int64)
         out = np.empty(count, dtype=np.uint16)
-        ok, *rest = self._dec(fr, bias, hi, _RMAP, states, words, bounds, raw, count, out)
-        xs, qs = rest[:4], rest[4:]
+        ok, xs, qs = self._dec(table, _RMAP, states, words, bounds, raw, count, out)
         if not ok:
             raise DecodeError(f"{where}: a lane ran out of words")
-        if any(int(x) != STATE_LOW for x in xs) or any(int(q) != int(bounds[k + 1]) for k, q in enumerate(qs)):
+        if xs.tolist() != [STATE_LOW] * LANES or qs.tolist() != bounds[1:].tolist():
             raise DecodeError(f"{where}: the lanes do not end where they began (corrupt words or frequencies)")
         return out
 
