@@ -200,7 +200,8 @@ def _encode_lanes(u, freq, cum, inv, w0, w1, w2, w3, states):
 
 def _fill_table(freq, table):
     """``table[slot]`` for the 4096 slots of frequencies ``freq`` (summing to 4096, checked by the
-    caller): symbol bits << 32 | frequency << 12 | slot − cumulative frequency."""
+    caller): (symbol << 5, its bits as they sit in the value) << 32 | frequency << 12 | slot −
+    cumulative frequency."""
     slot = 0
     for s in range(freq.size):
         f = np.int64(freq[s])
@@ -212,8 +213,8 @@ def _fill_table(freq, table):
 def _groups(table, rmap, words, raw, out, g, stop, xs, qs):
     """Decode groups ``g … stop-1`` (elements 4g … 4·stop-1), which the caller made sure cannot
     run a lane out of words, from and into the lane states ``xs`` and word indices ``qs``.
-    ``table[slot]`` = symbol bits << 32 | frequency << 12 | slot − cumulative frequency. Unsigned
-    indices and one table keep the loop's values in registers."""
+    ``table`` as :func:`_fill_table` makes it. Unsigned indices (no negative-index code) and one
+    table keep the loop's values in registers: about 1 GB/s of values per core here."""
     x0 = xs[0]
     x1 = xs[1]
     x2 = xs[2]
