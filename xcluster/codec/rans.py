@@ -214,7 +214,9 @@ def _groups(table, rmap, words, raw, out, g, stop, xs, qs):
     """Decode groups ``g … stop-1`` (elements 4g … 4·stop-1), which the caller made sure cannot
     run a lane out of words, from and into the lane states ``xs`` and word indices ``qs``.
     ``table`` as :func:`_fill_table` makes it. Unsigned indices (no negative-index code) and one
-    table keep the loop's values in registers: about 1 GB/s of values per core here."""
+    table keep the loop's values in registers: about 1 GB/s of values per core here. The four lanes
+    are written out one after another on purpose: states held in an array, or a loop over lanes,
+    would live in memory and serialise the four chains."""
     x0 = xs[0]
     x1 = xs[1]
     x2 = xs[2]
