@@ -322,23 +322,24 @@ def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tu
     compressed to compare, which would cost as much as the rANS coding itself."""
     pieces = list(rans.encode(bits))
     raw = pieces[2].nbytes
-    raw_stored = len(streams.compress([pieces[2]], level=config.zstd_level)[1])
-    coded = len(streams.compress([pieces[0]], level=config.zstd_level)[1]) + pieces[1].nbytes + raw_stored
+    raw_stored = _stored([pieces[2]], config)
+    coded = _stored([pieces[0]], config) + pieces[1].nbytes + raw_stored
     if coded >= bits.nbytes:
         return PLANES, planes
-    if raw_stored < 0.95 * raw and \
-            coded >= sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in planes):
+    if raw_stored < 0.95 * raw and coded >= _stored(planes, config):
         return PLANES, planes
     return FULL_RANS, pieces
+
+
+def _stored(pieces: list[np.ndarray], config: CodecConfig) -> int:
+    """Bytes ``pieces`` take stored, each compressed on its own (zstd, or raw where that is smaller)."""
+    return sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in pieces)
 
 
 def _smaller(v1: list[np.ndarray], v2: list[np.ndarray], config: CodecConfig) -> tuple[str, list[np.ndarray]]:
     """``sparse-sub`` or ``EXP_ENCODING`` pieces of one segment, whichever compresses smaller (ties:
     sparse-sub)."""
-    def size(pieces: list[np.ndarray]) -> int:
-        return sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in pieces)
-
-    return (EXP_ENCODING, v2) if size(v2) < size(v1) else (SPARSE_SUB, v1)
+    return (EXP_ENCODING, v2) if _stored(v2, config) < _stored(v1, config) else (SPARSE_SUB, v1)
 
 
 def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:

@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from ..errors import DecodeError
-from ..format import RANS_DTYPES, RANS_TABLE_BYTES
+from ..format import RANS_TABLE_BYTES
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS
@@ -44,7 +44,6 @@ TABLE_BYTES = RANS_TABLE_BYTES
 (uint32)."""
 assert TABLE_BYTES == 2 * SYMBOLS + 4 * LANES
 STATE_BYTES = 4 * LANES
-DTYPES = RANS_DTYPES
 
 log = logging.getLogger(__name__)
 
