@@ -24,10 +24,10 @@ import os
 
 import numpy as np
 
+from .jit import NO_COMPILE_ENV
+
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
-NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
-"""Set to 1 to use the numpy implementation (the same results, slower)."""
 
 
 def _popcount(words: np.ndarray) -> np.ndarray:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 
 import numpy as np
 
 from ..errors import DecodeError
 from ..format import RANS_TABLE_BYTES
+from . import jit
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS
@@ -47,11 +47,16 @@ STATE_BYTES = 4 * LANES
 
 log = logging.getLogger(__name__)
 
-NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
-"""Set to 1 to run the loops in Python (the same results, much slower)."""
-
-_RMAP = np.array([(r & 31) | ((r >> 5) << 15) for r in range(1 << RAW_BITS)], dtype=np.uint16)
+RMAP = np.array([(r & 31) | ((r >> 5) << 15) for r in range(1 << RAW_BITS)], dtype=np.uint16)
 """raw field -> its bits in the bf16 value (low mantissa bits 0-4, sign bit 15)."""
+
+
+def check_out(out: np.ndarray, count: int) -> np.ndarray:
+    """``out``, if it can take a segment of ``count`` values (a writable, contiguous uint16 array)."""
+    if out.dtype != np.uint16 or out.shape != (count,) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"a segment of {count} values needs a writable contiguous uint16 array of that size, "
+                         f"got {out.dtype} {out.shape}")
+    return out
 
 
 def raw_bytes(count: int) -> int:
@@ -313,24 +318,9 @@ _PYTHON = (_prepare, _encode_lanes, _make_decode(_groups), _fill_table)
 
 @functools.cache
 def _kernels():
-    """``(prepare, encode, decode, fill_table)``: compiled, or the Python functions when numba is missing, broken or
-    turned off (see :func:`compiled`)."""
-    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
-        return None
-    try:
-        from numba import njit
-    except ImportError:
-        return None
-    for cache in (True, False):  # no writable place for numba's on-disk cache: compile in memory
-        try:
-            opts = dict(nogil=True, cache=cache, boundscheck=False, error_model="numpy")
-            loops = (njit(**opts)(_prepare), njit(**opts)(_encode_lanes),
-                     njit(**opts)(_make_decode(njit(**opts)(_groups))), njit(**opts)(_fill_table))
-            _smoke(loops)
-            return loops
-        except Exception:
-            continue
-    return None
+    """``(prepare, encode, decode, fill_table)`` compiled, or None (see :mod:`.jit`)."""
+    return jit.compile_loops(lambda c: (c(_prepare), c(_encode_lanes), c(_make_decode(c(_groups))), c(_fill_table)),
+                             _smoke)
 
 
 def compiled() -> bool:
@@ -393,8 +383,9 @@ class SegmentReader:
             _warn_python()
         self.t = self.w = self.r = 0
 
-    def segment(self, count: int, name: str) -> np.ndarray:
-        """The next segment's ``count`` values (uint16), or a DecodeError."""
+    def segment(self, count: int, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The next segment's ``count`` values (uint16; into ``out`` where given), or a DecodeError
+        (``out`` may then hold part of them)."""
         where = f"{self.where}: full-rans segment of {name}"
         if self.t + TABLE_BYTES > self.tables.size:
             raise DecodeError(f"{where}: the tables stream ends early")
@@ -431,8 +422,8 @@ class SegmentReader:
         table = np.empty(TOTAL, dtype=np.int64)
         self._table(freq, table)
         bounds = np.array([0, *itertools.accumulate(nwords)], dtype=np.int64)
-        out = np.empty(count, dtype=np.uint16)
-        ok, xs, qs = self._dec(table, _RMAP, states, words, bounds, raw, count, out)
+        out = np.empty(count, dtype=np.uint16) if out is None else check_out(out, count)
+        ok, xs, qs = self._dec(table, RMAP, states, words, bounds, raw, count, out)
         if not ok:
             raise DecodeError(f"{where}: a lane ran out of words")
         if xs.tolist() != [STATE_LOW] * LANES or qs.tolist() != bounds[1:].tolist():

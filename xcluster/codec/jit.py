@@ -1,0 +1,36 @@
+"""Compiling the codec's loops with numba, when it is there and works.
+
+numba is imported lazily and is optional: every compiled loop has a fallback that gives the same
+results (numpy, or the same function run by Python), used where numba is missing, broken, or
+turned off with ``XCLUSTER_NO_NUMBA=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
+"""Set to 1 to run the fallbacks instead of compiled loops (the same results, slower)."""
+
+
+def compile_loops(build: Callable[[Callable], Any], smoke: Callable[[Any], None]) -> Any | None:
+    """``build(jit)`` with ``jit`` compiling one function (nogil, no bounds checks), after ``smoke``
+    ran the result once; None when numba is missing, broken or turned off. Compiled code is cached
+    on disk next to the module where that is writable, else compiled in memory."""
+    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        from numba import njit
+    except ImportError:
+        return None
+    for cache in (True, False):
+        try:
+            opts = dict(nogil=True, cache=cache, boundscheck=False, error_model="numpy")
+            loops = build(lambda f: njit(**opts)(f))
+            smoke(loops)
+            return loops
+        except Exception:
+            continue
+    return None
