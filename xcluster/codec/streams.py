@@ -2,6 +2,8 @@
 
 The decoder is told the exact decoded size from the manifest and refuses anything else
 before allocating more: a frame that declares a larger content size is a decompression bomb.
+A stream is decoded whole (:func:`decompress`), or read front to back a piece at a time
+(:class:`Reader`), which never holds more than a piece of it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 import zstandard
 
 from ..errors import DecodeError, DecompressionBombError
-from ..zframe import frame_size, inflate
+from ..zframe import frame_length, frame_size, inflate, inflate_error
 
 ZSTD = "zstd"
 RAW = "raw"
@@ -47,3 +49,71 @@ def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: 
         cls = DecompressionBombError if declared > raw_len else DecodeError
         raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
     return np.frombuffer(inflate(payload, raw_len, where=where), dtype=np.uint8)
+
+
+class Reader:
+    """One stream read front to back, ``take(k)`` bytes at a time: views of the stored bytes (raw)
+    or of one buffer the zstd frame is inflated into, piece by piece — so a large stream is never
+    held whole, and what is taken is still in the cache when it is used. A view is valid until the
+    next ``take``. Checked as :func:`decompress` checks: the declared size before anything is
+    inflated, nothing stored after the frame, and (``finish``) exactly ``raw_len`` bytes in all."""
+
+    def __init__(self, codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> None:
+        self.where, self.raw_len, self.pos = where, raw_len, 0
+        if codec == RAW:
+            if len(payload) != raw_len:
+                raise DecodeError(f"{where}: raw stream holds {len(payload)} bytes, manifest says {raw_len}")
+            self._raw: np.ndarray | None = np.frombuffer(payload, dtype=np.uint8)
+            return
+        if codec != ZSTD:
+            raise DecodeError(f"{where}: unknown stream codec {codec!r}")
+        declared = frame_size(payload, where=where)
+        if declared != raw_len:
+            cls = DecompressionBombError if declared > raw_len else DecodeError
+            raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
+        if (end := frame_length(payload, where=where)) != len(payload):
+            raise DecodeError(f"{where}: {len(payload) - end} bytes of unused data after the zstd frame")
+        self._raw = None
+        self._reader = zstandard.ZstdDecompressor().stream_reader(payload)
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    @classmethod
+    def over(cls, data: np.ndarray, *, where: str) -> Reader:
+        """A reader of bytes already decoded."""
+        return cls(RAW, data, data.size, where=where)
+
+    def take(self, k: int) -> np.ndarray:
+        """The next ``k`` bytes (a DecodeError past ``raw_len``)."""
+        if self.pos + k > self.raw_len:
+            raise DecodeError(f"{self.where}: the stream ends early")
+        self.pos += k
+        if self._raw is not None:
+            return self._raw[self.pos - k:self.pos]
+        if self._buf.size < k:
+            self._buf = np.empty(k, dtype=np.uint8)
+        out = self._buf[:k]
+        view, got = memoryview(out), 0
+        try:
+            while got < k and (n := self._reader.readinto(view[got:])):
+                got += n
+        except zstandard.ZstdError as exc:
+            raise inflate_error(exc, self.raw_len, where=self.where) from exc
+        if got < k:
+            raise DecodeError(f"{self.where}: the zstd frame inflates to fewer bytes than it declares")
+        return out
+
+    def left(self) -> int:
+        """Bytes not taken yet."""
+        return self.raw_len - self.pos
+
+    def finish(self) -> None:
+        """Every byte taken, and the frame (its checksum, if any, verified) ends there."""
+        if self.pos != self.raw_len:
+            raise DecodeError(f"{self.where}: {self.raw_len - self.pos} bytes left over in the stream")
+        if self._raw is None:
+            try:
+                more = self._reader.read(1)
+            except zstandard.ZstdError as exc:
+                raise inflate_error(exc, self.raw_len, where=self.where) from exc
+            if more:
+                raise DecompressionBombError(f"{self.where}: zstd frame inflates past the {self.raw_len} bytes it declares")
