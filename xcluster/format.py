@@ -42,7 +42,11 @@ RANS_SCHEMA_VERSION = 6
 """A manifest with a ``full-rans`` block (whole bf16 values entropy coded, FORMAT.md §5b) declares
 schema 6 (schema 5 plus that encoding), so that a reader without it refuses the version by its
 schema version, with an "upgrade" message. HEAD stays at 2 (3 when its manifest is packed)."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+FULL_EXP_SCHEMA_VERSION = 7
+"""A manifest with a ``full-exp`` block (whole bf16 values as exponent-window symbol bytes and raw
+bits, FORMAT.md §5c) declares schema 7 (schema 6 plus that encoding). HEAD stays at 2 (3 when its
+manifest is packed)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 PACKED_HEAD_SCHEMA_VERSION = 3
 """A HEAD that names a packed manifest (``manifest-<attempt>.json.zst``, one zstd frame of the
 canonical JSON, xcluster/manifest_object.py) declares schema 3, so that a reader that cannot
@@ -66,16 +70,19 @@ DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in ran
 SPARSE_EXP = "sparse-exp"  # changed positions per exponent group of the base (Rice) + packed values
 SPARSE_EXP2 = "sparse-exp2"  # the same, with each group's Rice parameter stored (no group sizes to compute)
 FULL_RANS = "full-rans"    # full bf16 values: exponent and top mantissa bits rANS coded, the rest raw
+FULL_EXP = "full-exp"      # full bf16 values: exponent (in a window) and top mantissa bits as a byte, the rest raw
 EXP_ENCODINGS = (SPARSE_EXP, SPARSE_EXP2)
-FILL_ENCODINGS = (PLANES, FULL_RANS)
+FILL_ENCODINGS = (PLANES, FULL_RANS, FULL_EXP)
 """Encodings that carry whole values (the segments of a tensor that starts empty, ``init: none``)."""
-ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP, SPARSE_EXP2, FULL_RANS)
-RANS_DTYPES = ("bfloat16",)
-"""dtypes with a ``full-rans`` encoding."""
+ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP, SPARSE_EXP2, FULL_RANS, FULL_EXP)
+FULL_DTYPES = ("bfloat16",)
+"""dtypes with the ``full-rans`` and ``full-exp`` encodings."""
 RANS_TABLE_BYTES = 2 * 1024 + 4 * 4
 """A ``full-rans`` segment's piece of the tables stream: 1024 uint16 frequencies, 4 uint32 word counts."""
 RANS_EXACT = (True, False, True)
 """Which ``full-rans`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
+FULL_EXP_EXACT = (True, True, False, True)
+"""Which ``full-exp`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
 EXP_GROUP_BITS = {"bfloat16": 8, "float16": 5, "float32": 8, "float8_e4m3fn": 4, "float8_e4m3fnuz": 4,
                   "float8_e5m2": 5, "float8_e5m2fnuz": 5}
 """dtypes with a ``sparse-exp`` encoding and the width of their exponent field (2**bits groups)."""
@@ -334,6 +341,9 @@ def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...
         # the words: four uint32 states and at most one uint16 word per element
         return [RANS_TABLE_BYTES * len(segments), sum(16 + 2 * s.count for s in segments),
                 sum((6 * s.count + 7) // 8 for s in segments)]
+    if encoding == FULL_EXP:
+        # a base per segment, a symbol per element, at most one escaped exponent per element
+        return [len(segments), elems, elems, sum((6 * s.count + 7) // 8 for s in segments)]
     if encoding in EXP_ENCODINGS:
         bitmaps = sum((s.nnz + 7) // 8 for s in segments)
         per_group = 5 if encoding == SPARSE_EXP2 else 4  # sparse-exp2: + one byte, the Rice parameter
@@ -347,9 +357,11 @@ EXP_EXACT = (True, False, False, True, True, False)
 
 
 def schema_for(tensors, blocks) -> int:
-    """The schema a writer declares for a manifest of these tensors and blocks: 6 with a
-    ``full-rans`` block, else 5 with a ``sparse-exp2`` block, else 4 with a ``sparse-exp`` block,
+    """The schema a writer declares for a manifest of these tensors and blocks: 7 with a
+    ``full-exp`` block, else 6 with a ``full-rans`` block, else 5 with a ``sparse-exp2`` block, else 4 with a ``sparse-exp`` block,
     else 3 with a tensor in parts, else 2."""
+    if any(b.encoding == FULL_EXP for b in blocks):
+        return FULL_EXP_SCHEMA_VERSION
     if any(b.encoding == FULL_RANS for b in blocks):
         return RANS_SCHEMA_VERSION
     if any(b.encoding == SPARSE_EXP2 for b in blocks):
@@ -600,7 +612,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
 
     blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
     for enc, need in ((SPARSE_EXP, EXP_SCHEMA_VERSION), (SPARSE_EXP2, EXP2_SCHEMA_VERSION),
-                      (FULL_RANS, RANS_SCHEMA_VERSION)):
+                      (FULL_RANS, RANS_SCHEMA_VERSION), (FULL_EXP, FULL_EXP_SCHEMA_VERSION)):
         if schema < need and any(b.encoding == enc for b in blocks):
             raise FormatError(f"{where}: a {enc} block needs schema_version {need}, the manifest declares {schema}")
     _check_coverage(where, tensors, blocks)
@@ -693,9 +705,9 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                                   f"(half its count {count}): such ranges are carried as dense-sub")
         elif nnz != count:
             raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
-        if encoding == FULL_RANS and te.dtype not in RANS_DTYPES:
+        if encoding in (FULL_RANS, FULL_EXP) and te.dtype not in FULL_DTYPES:
             raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): only "
-                              f"{', '.join(RANS_DTYPES)} tensors have that encoding")
+                              f"{', '.join(FULL_DTYPES)} tensors have that encoding")
         if (encoding in FILL_ENCODINGS) != (te.init == INIT_NONE):
             raise FormatError(f"{bw}: {encoding} segment on tensor {te.name} with init {te.init!r}")
         segments.append(Segment(t, start, count, nnz))
@@ -704,7 +716,8 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
     exp = encoding in EXP_ENCODINGS
     groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if exp else []
     expected = expected_raw_lengths(encoding, width, segments, groups)
-    exact = EXP_EXACT if exp else RANS_EXACT if encoding == FULL_RANS else (True,) * len(expected)
+    exact = (EXP_EXACT if exp else RANS_EXACT if encoding == FULL_RANS else FULL_EXP_EXACT if encoding == FULL_EXP
+             else (True,) * len(expected))
     if len(streams) != len(expected):
         raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
     for k, (s, e) in enumerate(zip(streams, expected)):

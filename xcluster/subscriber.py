@@ -452,7 +452,7 @@ class Subscriber:
     @staticmethod
     def _fill(m: Manifest, bi: int, data: bytes, fresh: dict[int, torch.Tensor], where: str) -> None:
         b = m.blocks[bi]
-        for op in decode_block(b, data, m.tensors, where=f"{where} block {bi}"):
+        for op in decode_block(b, data, m.tensors, where=f"{where} block {bi}", into=fresh):
             assert isinstance(op, Fill)
             fill(fresh[op.tensor], op)
 

@@ -369,7 +369,7 @@ CASES = [
       store="local", max_mib=160),  # one bounded read of 64 MiB + 1 bytes, not 4 GiB
     C("manifest_unknown_format", edit(3, set_at(("format",), "xcluster-head")), FormatError, "'format' must be"),
     # schema versions
-    C("manifest_schema_7", edit(3, set_at(("schema_version",), 7)), SchemaVersionError, "schema_version 7"),
+    C("manifest_schema_8", edit(3, set_at(("schema_version",), 8)), SchemaVersionError, "schema_version 8"),
     C("manifest_schema_true", edit(3, set_at(("schema_version",), True)), SchemaVersionError,
       "schema_version True"),
     C("manifest_schema_missing", edit(3, delete("schema_version")), SchemaVersionError, "schema_version None"),

@@ -29,8 +29,12 @@ GOLDEN_V5 = Path(__file__).parent.parent / "golden" / "v5" / "store"
 manifests packed (``manifest-<attempt>.json.zst``, HEAD schema 3), signed."""
 GOLDEN_V6 = Path(__file__).parent.parent / "golden" / "v6" / "store"
 """Schema 6: the v5 store with ``rans_full``: the keyframe's bf16 ranges are full-rans blocks (FORMAT.md §5b)."""
+GOLDEN_V7 = Path(__file__).parent.parent / "golden" / "v7" / "store"
+"""Schema 7: the v5 store with ``exp_full``: the keyframe's bf16 ranges are full-exp blocks (FORMAT.md §5c)."""
 EXP_GOLDENS = {GOLDEN_V4: ("sparse-exp", 4), GOLDEN_V4_0: ("sparse-exp", 4), GOLDEN_V5: ("sparse-exp2", 5),
-               GOLDEN_V6: ("sparse-exp2", 5)}
+               GOLDEN_V6: ("sparse-exp2", 5), GOLDEN_V7: ("sparse-exp2", 5)}
+FULL_GOLDENS = {GOLDEN_V6: ("full-rans", 6), GOLDEN_V7: ("full-exp", 7)}
+"""Stores whose keyframe codes whole bf16 values: that encoding and the keyframe's schema."""
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
 so the signed golden objects pin the signature bytes too."""
@@ -113,13 +117,14 @@ def golden_versions_v6() -> list[dict[str, torch.Tensor]]:
     return [dict(v, g=g) for v in golden_versions_v4()]
 
 
-def write_v5(root: Path, *, rans_full: bool = False) -> None:
+def write_v5(root: Path, **full: bool) -> None:
+    """The schema 5 store; with ``rans_full`` or ``exp_full`` (``full``), the v6 versions."""
     pub = Publisher(store=LocalStore(root, fsync=False),
                     config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
-                                                                                 exp_groups=True, rans_full=rans_full),
+                                                                                 exp_groups=True, **full),
                                            run_id="golden", compress_manifest=True, signing_key=str(GOLDEN_KEY)),
                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
-    for i, sd in enumerate(golden_versions_v6() if rans_full else golden_versions_v4()):
+    for i, sd in enumerate(golden_versions_v6() if full else golden_versions_v4()):
         pub.publish(sd, step=i)
 
 
@@ -127,13 +132,17 @@ def write_v6(root: Path) -> None:
     write_v5(root, rans_full=True)
 
 
+def write_v7(root: Path) -> None:
+    write_v5(root, exp_full=True)
+
+
 def files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5), (write_v6, GOLDEN_V6)],
-                         ids=["v2", "v5", "v6"])
+@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5), (write_v6, GOLDEN_V6),
+                                            (write_v7, GOLDEN_V7)], ids=["v2", "v5", "v6", "v7"])
 def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
         shutil.rmtree(golden, ignore_errors=True)
@@ -145,26 +154,27 @@ def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
         assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
-@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5", "v6"])
+@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5", "v6", "v7"])
 def test_golden_exp_objects_decode(tmp_path, golden):
     encoding, schema = EXP_GOLDENS[golden]
-    packed = golden in (GOLDEN_V5, GOLDEN_V6)
+    packed = golden in (GOLDEN_V5, GOLDEN_V6, GOLDEN_V7)
     shutil.copytree(golden, tmp_path / "s")
     paths = sorted((tmp_path / "s" / "versions").rglob("manifest-*"))
     assert [p.name.endswith(".json.zst") for p in paths] == [packed] * 3
     manifests = [json.loads(unpack(p.name, p.read_bytes(), where=p.name)) for p in paths]
-    assert [m["schema_version"] for m in manifests] == [6 if golden == GOLDEN_V6 else 2, schema, schema]
-    if golden == GOLDEN_V6:  # the keyframe's bf16 ranges are full-rans, the other dtypes planes
+    full, key_schema = FULL_GOLDENS.get(golden, (None, 2))
+    assert [m["schema_version"] for m in manifests] == [key_schema, schema, schema]
+    if full:  # the keyframe's bf16 ranges are full-rans or full-exp, the other dtypes planes
         key = manifests[0]
         by = {b["encoding"]: {key["tensors"][s[0]]["dtype"] for s in b["segments"]} for b in key["blocks"]}
-        assert by["full-rans"] == {"bfloat16"} and "bfloat16" not in by["planes"]
+        assert by[full] == {"bfloat16"} and "bfloat16" not in by["planes"]
     assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["schema_version"] == (3 if packed else 2)
     for m in manifests[1:]:  # every dtype with exponent groups has a block of the exponent encoding
         exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == encoding for s in b["segments"]}
         assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
     trust = (str(GOLDEN_KEY) + ".pub",) if packed else ()
     sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
-    for v, sd in enumerate(golden_versions_v6() if golden == GOLDEN_V6 else golden_versions_v4(), 1):
+    for v, sd in enumerate(golden_versions_v6() if full else golden_versions_v4(), 1):
         assert sub.sync(until=v) == v
         assert_state_equal(sub.state_dict(), sd)
     late = Subscriber(str(tmp_path / "s"))  # joins at the keyframe and replays: the same weights

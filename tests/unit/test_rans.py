@@ -296,7 +296,7 @@ def test_property_keyframes_any_dtype_shape(dtype, shape, density, seed, force):
     codec = replace(SMALL, rans_full=True)
     forced = mock.patch.object(encode_mod, "_full", lambda planes, bits, cfg: (FULL_RANS, list(rans.encode(bits))))
     if force:  # every length, down to one element
-        with forced, mock.patch.object(encode_mod, "RANS_MIN_ELEMENTS", 1):
+        with forced, mock.patch.object(encode_mod, "FULL_MIN_ELEMENTS", 1):
             publish_roundtrip(versions, keyframe_every=2, codec=codec)
     else:
         publish_roundtrip(versions, keyframe_every=2, codec=codec)

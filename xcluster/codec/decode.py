@@ -13,7 +13,7 @@ half its count).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,9 +21,9 @@ import torch
 
 from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
-from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_RANS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
+from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_EXP, FULL_RANS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
                       TensorEntry)
-from . import expgroup, rans, streams
+from . import expgroup, fullexp, rans, streams
 from .changes import unzigzag
 
 PIECE = 1 << 18
@@ -74,7 +74,7 @@ def block_memory(block: BlockEntry) -> int:
         return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 31 + 192)
     if block.encoding == PLANES:
         return sum(raw)  # the planes themselves, applied as views
-    if block.encoding == FULL_RANS:
+    if block.encoding in (FULL_RANS, FULL_EXP):
         # the streams, the decoded values (held until the block is applied) and a segment's tables
         return sum(raw) + block.width * sum(s.count for s in block.segments) + 64 * 1024
     n = raw[-1]  # elements carried: count (dense) or nnz (sparse)
@@ -83,10 +83,16 @@ def block_memory(block: BlockEntry) -> int:
 
 
 def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence[TensorEntry],
-                 *, where: str, base: Sequence[torch.Tensor | None] = ()) -> list[Fill | Patch | Scatter]:
+                 *, where: str, base: Sequence[torch.Tensor | None] = (),
+                 into: Mapping[int, torch.Tensor] | None = None) -> list[Fill | Patch | Scatter]:
     """Decode one block from its chunk's bytes (checksum already verified). ``base[i]`` is the
     tensor the reader holds for tensor ``i`` of the manifest (the base version's, before this
-    version's patches land on the block's ranges): ``sparse-exp`` groups its elements by it."""
+    version's patches land on the block's ranges): ``sparse-exp`` groups its elements by it.
+
+    ``into[i]``, where given, is the (contiguous, host) tensor that tensor ``i`` is being built
+    in from scratch: ``full-exp`` and ``full-rans`` segments of it are decoded straight into it,
+    saving a copy, and give no operation. Only for tensors nobody reads yet: a block that fails
+    may have written part of them."""
     mv = memoryview(chunk)
     offsets = [block.offset]
     for s in block.streams:
@@ -115,10 +121,20 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
             ops.append(Fill(seg.tensor, seg.start, [p[cursor:cursor + seg.count] for p in planes]))
             cursor += seg.count
         return ops
-    if block.encoding == FULL_RANS:
-        reader = rans.SegmentReader([stream(i) for i in range(len(block.streams))], where=where)
+    if block.encoding in (FULL_RANS, FULL_EXP):
+        if block.encoding == FULL_RANS:
+            reader = rans.SegmentReader([stream(i) for i in range(len(block.streams))], where=where)
+        else:  # the symbols inflated a piece at a time, as they are joined
+            sym = block.streams[1]
+            reader = fullexp.SegmentReader([stream(0), streams.Reader(sym.codec, mv[offsets[1]:offsets[2]], sym.raw,
+                                                                      where=f"{where} stream 1"),
+                                            stream(2), stream(3)], where=where)
         for seg in block.segments:
-            ops.append(Fill(seg.tensor, seg.start, [reader.segment(seg.count, tensors[seg.tensor].name)]))
+            dst = into.get(seg.tensor) if into is not None else None
+            if dst is None:
+                ops.append(Fill(seg.tensor, seg.start, [reader.segment(seg.count, tensors[seg.tensor].name)]))
+            else:
+                reader.segment(seg.count, tensors[seg.tensor].name, out=np_bits(dst)[seg.start:seg.start + seg.count])
         reader.finish()
         return ops
     if block.encoding == DENSE_SUB:

@@ -15,10 +15,9 @@ import torch
 
 from ..dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
-from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_RANS, INIT_BASE, INIT_NONE, PLANES, RANS_DTYPES, SPARSE_EXP2,
-                      SPARSE_SUB, BlockEntry,
-                      ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
-from . import expgroup, rans, scan_torch, streams
+from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_DTYPES, FULL_EXP, FULL_RANS, INIT_BASE, INIT_NONE, PLANES,
+                      SPARSE_EXP2, SPARSE_SUB, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
+from . import expgroup, fullexp, rans, scan_torch, streams
 from .changes import find_changes, join_planes, split_planes, zigzag_diff
 
 SCANS = ("auto", "numpy", "torch")
@@ -32,8 +31,9 @@ class CodecConfig:
     """How versions are encoded. Readers need none of this: the manifest says everything."""
 
     zstd_level: int = 1
-    """zstd level for every stream (1-22). On byte planes level 1 is as small as 3 and twice as
-    fast; 19 saves ~4% on delta streams at ~100x the time."""
+    """zstd level for every stream (1-22) but ``full-exp``'s symbols (always level 1, which codes
+    them smallest). On byte planes level 1 is as small as 3 and twice as fast; 19 saves ~4% on
+    delta streams at ~100x the time."""
     block_bytes: int = 16 << 20
     """Target decoded bytes per block (the unit decoded independently, in parallel); for
     ``sparse-exp`` blocks, bytes of the base they cover (decoding reads all of them)."""
@@ -59,13 +59,20 @@ class CodecConfig:
     slower). Opt-in because a manifest with such a block declares schema 5, which readers older
     than it refuse: turn it on once every subscriber reads schema 5."""
 
+    exp_full: bool = False
+    """Write whole bf16 values (keyframes, new tensors) as ``full-exp`` (exponent and top mantissa
+    bits as one byte that zstd's literal coder entropy codes, the rest packed, FORMAT.md §5c) where
+    that is smaller than byte planes: about 10.58 bits per element on real weights instead of 10.96
+    (1.51× instead of 1.46×; bench/codec.py --v2 --real), decoded at about 1.3 GB/s per core, as
+    fast as byte planes. Opt-in because a manifest with such a block declares schema 7, which older
+    readers refuse: turn it on once every subscriber reads schema 7."""
+
     rans_full: bool = False
-    """Write whole bf16 values (keyframes, new tensors) as ``full-rans`` (exponent and top mantissa
-    bits rANS coded, FORMAT.md §5b) where that is smaller than byte planes: about 10.56 bits per
-    element on real weights instead of 10.96 (1.515× instead of 1.46×; bench/codec.py --v2 --real),
-    decoded at 0.6–0.7 GB/s per core (byte planes: about 1.1) and encoded at about 0.6× their speed.
-    Needs numba (without it ``planes`` are written). Opt-in because a manifest with such a block
-    declares schema 6, which older readers refuse: turn it on once every subscriber reads schema 6."""
+    """Also consider ``full-rans`` for whole bf16 values (exponent and top mantissa bits rANS coded,
+    FORMAT.md §5b), written where it is the smallest: about 10.56 bits per element on real weights
+    (0.15% below ``full-exp``), but decoded at only 0.6-0.9 GB/s per core and encoded at about half
+    the speed. Needs numba (without it this is ignored). Declares schema 6 (7 with ``full-exp``
+    blocks in the same manifest)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -150,7 +157,7 @@ class _Packer:
         # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp the bits
         # of the base it groups (every element of the range is read), so such a delta still
         # splits into blocks that decode in parallel
-        work = (seg.seg.count * width if encoding in (*EXP_ENCODINGS, FULL_RANS)
+        work = (seg.seg.count * width if encoding in (*EXP_ENCODINGS, FULL_RANS, FULL_EXP)
                 else sum(s.nbytes for s in seg.streams))
         self.open_bytes[key] = self.open_bytes.get(key, 0) + work
         if self.open_bytes[key] >= self.cfg.block_bytes:
@@ -166,7 +173,7 @@ class _Packer:
             out = []
             for i in range(n_streams):
                 pieces = [s.streams[i] for s in segs]
-                codec, payload = streams.compress(pieces, level=level)
+                codec, payload = streams.compress(pieces, level=_level(key[0], i, level))
                 out.append((codec, payload, sum(p.nbytes for p in pieces)))
             return out
 
@@ -251,7 +258,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
             return None
         kind, planes, nnz, pos, values, exp = out
         encoding = {"planes": PLANES, "dense": DENSE_SUB, "sparse": SPARSE_SUB}[kind]
-        if encoding == PLANES and _rans_full(new, count, config):
+        if encoding == PLANES and _coded_full(new, count, config):
             encoding, planes = _full(planes, join_planes(planes, UINT[w]), config)
         if exp is not None:
             order, ranks, sizes, counts = exp
@@ -263,7 +270,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     nnp = _host_bits(new, r.start, r.end)
     if r.full:
         encoding, pieces = PLANES, split_planes(nnp)
-        if _rans_full(new, count, config):
+        if _coded_full(new, count, config):
             encoding, pieces = _full(pieces, nnp, config)
         return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(Segment(r.t_idx, r.start, count, count),
                                                                     pieces), count, None, None)
@@ -303,37 +310,59 @@ def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
     return name if name in expgroup.EXP_FIELDS else None
 
 
-RANS_MIN_ELEMENTS = 1024
+FULL_MIN_ELEMENTS = 1024
 """Ranges of whole values shorter than this stay byte planes: a full-rans segment's tables (2 KiB
-raw, ~60 bytes stored) and their setup (~30 µs to decode) outweigh what it saves there."""
+raw, ~60 bytes stored) and their setup (~30 µs to decode) outweigh what it saves there, and all
+such ranges together are a small part of a model (biases, norms)."""
 
 
-def _rans_full(t: torch.Tensor, count: int, config: CodecConfig) -> bool:
-    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-rans``."""
-    return (config.rans_full and count >= RANS_MIN_ELEMENTS and dtype_name(t.dtype) in RANS_DTYPES
-            and rans.compiled())
+def _coded_full(t: torch.Tensor, count: int, config: CodecConfig) -> bool:
+    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-exp`` or ``full-rans``."""
+    return ((config.exp_full or (config.rans_full and rans.compiled())) and count >= FULL_MIN_ELEMENTS
+            and dtype_name(t.dtype) in FULL_DTYPES)
+
+
+def _level(encoding: str, stream: int, level: int) -> int:
+    """The zstd level of one stream of a block (FULL_EXP's symbols: always SYMBOLS_ZSTD_LEVEL)."""
+    return fullexp.SYMBOLS_ZSTD_LEVEL if encoding == FULL_EXP and stream == 1 else level
 
 
 def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tuple[str, list[np.ndarray]]:
-    """``planes`` or ``full-rans`` pieces of one range of whole values, whichever is smaller as
-    stored (ties: planes). Byte planes win only on values with little variety or with repeats
-    (a constant, a few levels, repeated rows), and those show in the raw fields (sign and low
-    mantissa bits, near random in trained weights): only when zstd shrinks them are the planes
-    compressed to compare, which would cost as much as the rANS coding itself."""
-    pieces = list(rans.encode(bits))
-    raw = pieces[2].nbytes
-    raw_stored = _stored([pieces[2]], config)
-    coded = _stored([pieces[0]], config) + pieces[1].nbytes + raw_stored
-    if coded >= bits.nbytes:
-        return PLANES, planes
-    if raw_stored < 0.95 * raw and coded >= _stored(planes, config):
-        return PLANES, planes
-    return FULL_RANS, pieces
+    """``planes``, ``full-exp`` or ``full-rans`` pieces (the latter two as ``config`` allows) of one
+    range of whole values, whichever is the smallest stored (ties: in that order).
+
+    Both coded encodings store the same raw field (sign and low mantissa bits) as their last
+    stream, and byte planes win only on values with little variety or with repeats (a constant, a
+    few levels, repeated rows), which show in that field (near random in trained weights). So the
+    planes are compressed to compare only when zstd shrinks the raw field; and ``full-exp`` with
+    few escapes needs no measuring at all then: it is smaller than the values themselves."""
+    cands: list[tuple[str, list[np.ndarray]]] = []
+    if config.exp_full:
+        cands.append((FULL_EXP, fullexp.encode(bits)))
+    if config.rans_full and rans.compiled():
+        cands.append((FULL_RANS, list(rans.encode(bits))))
+    raw = cands[0][1][-1]
+    raw_stored = _stored([raw], config)
+    if raw_stored >= 0.95 * raw.nbytes:
+        if len(cands) == 1 and cands[0][0] == FULL_EXP and 64 * cands[0][1][2].size <= bits.size:
+            return cands[0]
+        best = (bits.nbytes, PLANES, planes)
+    else:
+        best = (min(bits.nbytes, _stored(planes, config)), PLANES, planes)
+    for encoding, pieces in cands:
+        if encoding == FULL_EXP:  # the base, the symbols (at their own level), the escapes
+            size = (pieces[0].nbytes + _stored([pieces[1]], config, level=fullexp.SYMBOLS_ZSTD_LEVEL)
+                    + _stored([pieces[2]], config))
+        else:  # the tables, the words (near random: stored as they are)
+            size = _stored([pieces[0]], config) + pieces[1].nbytes
+        if size + raw_stored < best[0]:
+            best = (size + raw_stored, encoding, pieces)
+    return best[1], best[2]
 
 
-def _stored(pieces: list[np.ndarray], config: CodecConfig) -> int:
+def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None = None) -> int:
     """Bytes ``pieces`` take stored, each compressed on its own (zstd, or raw where that is smaller)."""
-    return sum(len(streams.compress([p], level=config.zstd_level)[1]) for p in pieces)
+    return sum(len(streams.compress([p], level=level or config.zstd_level)[1]) for p in pieces)
 
 
 def _smaller(v1: list[np.ndarray], v2: list[np.ndarray], config: CodecConfig) -> tuple[str, list[np.ndarray]]:

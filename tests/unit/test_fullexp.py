@@ -1,0 +1,447 @@
+"""``full-exp`` (FORMAT.md §5c): whole bf16 values as exponent-window symbol bytes, escapes and raw
+bits; and the piecewise stream reader it decodes its symbols with."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
+from xcluster.codec import encode as encode_mod
+from xcluster.codec import fullexp, rans, streams
+from xcluster.codec.decode import Fill, decode_block
+from xcluster.codec.encode import encode_version
+from xcluster.dtypes import flat_bits, torch_dtype
+from xcluster.errors import DecodeError, DecompressionBombError, FormatError, SchemaVersionError
+from xcluster.format import FULL_EXP, FULL_EXP_SCHEMA_VERSION, FULL_RANS, PLANES, RANS_SCHEMA_VERSION
+from tests.unit.helpers import assert_state_equal, memory_store, mkey
+from tests.unit.test_roundtrip import SMALL, perturb, random_tensor
+from tests.unit.test_roundtrip import roundtrip as publish_roundtrip
+
+LOOPS = [False, True] if fullexp.compiled() else [True]
+"""numpy=False (the compiled loops) and numpy=True."""
+
+
+def weights(n: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * scale).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def roundtrip(u: np.ndarray) -> list[np.ndarray]:
+    """Both implementations write the same pieces, and both read them back bit for bit."""
+    pieces = [fullexp.encode(u, numpy=numpy) for numpy in LOOPS]
+    for p in pieces[1:]:
+        assert all(np.array_equal(x, y) for x, y in zip(pieces[0], p))
+    for numpy in LOOPS:
+        r = fullexp.SegmentReader(pieces[0], where="t", numpy=numpy)
+        got = r.segment(u.size, "t")
+        r.finish()
+        assert got.dtype == np.uint16 and np.array_equal(got, u)
+    return pieces[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 4096, 4099, 100_003, fullexp.PIECE + 5])
+def test_roundtrip_every_length(n):
+    base, sym, esc, raw = roundtrip(weights(n, seed=n))
+    assert base.size == 1 and sym.size == n and raw.size == rans.raw_bytes(n)
+
+
+@pytest.mark.parametrize("kind", ["constant", "zeros", "every-value", "random-bits", "specials", "wide"])
+def test_roundtrip_odd_distributions(kind):
+    gen = np.random.default_rng(3)
+    if kind == "constant":
+        u = np.full(10_001, 0x3F80, dtype=np.uint16)
+    elif kind == "zeros":  # exponent 0 only: base 0
+        u = np.zeros(5003, dtype=np.uint16)
+    elif kind == "every-value":  # every exponent: 256 - 63 of them escaped
+        u = np.arange(1 << 16, dtype=np.uint16)
+    elif kind == "random-bits":
+        u = gen.integers(0, 1 << 16, 77_777, dtype=np.uint16)
+    elif kind == "specials":  # NaN payloads, infinities, signed zeros, subnormals
+        u = np.array([0x7FC1, 0xFFFF, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F] * 37, dtype=np.uint16)
+    else:  # weights and a few huge and tiny values outside any window that holds the weights
+        u = weights(20_000, seed=4)
+        u[::1000] = 0x7000
+        u[1::1000] = 0x0100
+    base, sym, esc, raw = roundtrip(u)
+    e = (u >> 7) & 255
+    outside = (e < int(base[0])) | (e >= int(base[0]) + fullexp.WINDOW)
+    assert np.array_equal(esc, e[outside]) and ((sym >= fullexp.ESCAPE) == outside).all()
+    if kind == "every-value":
+        assert esc.size == (256 - fullexp.WINDOW) * 256
+    if kind in ("constant", "specials"):
+        assert int(base[0]) == fullexp.PREFERRED_BASE or kind == "specials"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.lists(st.integers(0, (1 << 16) - 1), min_size=1, max_size=300), skew=st.integers(0, 3))
+def test_property_any_values(data, skew):
+    u = np.array(data, dtype=np.uint16)
+    if skew:  # fewer distinct exponents, as in real weights
+        u = (u & np.uint16(0x80FF)) | np.uint16(0x3C00 + 0x100 * skew)
+    roundtrip(u)
+
+
+def test_choose_base():
+    h = np.zeros(256, dtype=np.int64)
+    h[100:126] = 5
+    assert fullexp.choose_base(h) == 80  # every base from 63 to 100 holds them all: the preferred one
+    h[60] = 1
+    assert fullexp.choose_base(h) == 80  # 60 … 125 do not fit one window: 60 is escaped
+    h[150] = 1
+    assert fullexp.choose_base(h) == 88  # bases 88 … 100 hold 100 … 150: the one nearest 80
+    h[:] = 0
+    h[200:] = 1
+    assert fullexp.choose_base(h) == fullexp.MAX_BASE
+    h[:] = 0
+    h[5] = 3
+    assert fullexp.choose_base(h) == 5  # bases 0 … 5 hold it: the one nearest 80
+    h[:] = 0
+    h[150:170] = 1
+    h[10:20] = 1  # two clusters of ten and twenty: the larger one, base as near 80 as it allows
+    assert fullexp.choose_base(h) == 107
+
+
+def test_it_pays_on_weights():
+    """About 10.6 bits per element on Gaussian-like weights, against 16 raw (byte planes + zstd
+    spend about 11.0 on such data)."""
+    u = weights(200_000)
+    base, sym, esc, raw = fullexp.encode(u)
+    coded = len(zstandard.ZstdCompressor(level=fullexp.SYMBOLS_ZSTD_LEVEL).compress(sym.tobytes()))
+    bits = 8 * (coded + esc.size + raw.size) / u.size
+    assert 9.5 < bits < 10.9
+
+
+# --- every check a reader makes ---------------------------------------------------------------
+N = 4099
+
+
+def _pieces(n=N):
+    u = weights(n, seed=7)
+    u[5] = 0x7000  # one escape
+    return [p.copy() for p in fullexp.encode(u)]
+
+
+def _read(pieces, n=N, numpy=False):
+    r = fullexp.SegmentReader(pieces, where="t", numpy=numpy)
+    out = r.segment(n, "w")
+    r.finish()
+    return out
+
+
+@pytest.mark.parametrize("numpy", LOOPS)
+@pytest.mark.parametrize("case, match", [
+    ("base-high", "above 193"),
+    ("bases-short", "bases stream ends early"),
+    ("symbols-short", "symbols stream ends early"),
+    ("raw-short", "raw stream ends early"),
+    ("padding", "padding"),
+    ("escapes-short", "escapes stream ends early"),
+    ("escapes-left", "left over in the full-exp escapes"),
+    ("bases-left", "left over in the full-exp bases"),
+    ("raw-left", "left over in the full-exp raw"),
+    ("symbols-left", "left over in the stream"),
+])
+def test_reader_rejects(case, match, numpy):
+    b, s, e, r = _pieces()
+    assert e.size == 1
+    if case == "base-high":
+        b[0] = 194
+    elif case == "bases-short":
+        b = b[:0]
+    elif case == "symbols-short":
+        s = s[:-1]
+    elif case == "raw-short":
+        r = r[:-1]
+    elif case == "padding":  # 4099 elements: 2 bits used of the last byte
+        r[-1] |= 0x80
+    elif case == "escapes-short":
+        e = e[:0]
+    elif case == "escapes-left":
+        e = np.concatenate([e, e])
+    elif case == "bases-left":
+        b = np.concatenate([b, b])
+    elif case == "raw-left":
+        r = np.concatenate([r, np.zeros(1, np.uint8)])
+    else:
+        s = np.concatenate([s, s[:1]])
+    with pytest.raises(DecodeError, match=match):
+        _read([b, s, e, r], numpy=numpy)
+
+
+def test_flipped_bits_change_the_values_or_are_caught():
+    """A bit flipped in the base, symbols or escapes is caught or changes the values (which the
+    tensor digest then catches): never a crash, never a read past a stream."""
+    u = weights(5003, seed=9)
+    u[100] = 0x7000
+    pieces = fullexp.encode(u)
+    for s in range(3):
+        for byte in range(0, pieces[s].size, max(1, pieces[s].size // 40)):
+            for bit in (0, 3, 7):
+                bad = [p.copy() for p in pieces]
+                bad[s][byte] ^= 1 << bit
+                try:
+                    got = _read(bad, u.size)
+                except DecodeError:
+                    continue
+                assert not np.array_equal(got, u)
+
+
+# --- the piecewise stream reader ----------------------------------------------------------------
+def _frame(data: bytes, **kw) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=True, **kw).compress(data)
+
+
+@pytest.mark.parametrize("data", [bytes(range(256)) * 2000, b"\7" * 700_000, b"", b"x",
+                                  np.random.default_rng(1).integers(0, 9, 300_001, dtype=np.uint8).tobytes()])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_stream_reader_takes_what_decompress_gives(data, checksum):
+    frame = _frame(data, write_checksum=checksum)
+    from xcluster.zframe import frame_length
+
+    assert frame_length(frame + b"tail", where="t") == len(frame)
+    whole = streams.decompress("zstd", frame, len(data), where="t")
+    r = streams.Reader("zstd", frame, len(data), where="t")
+    got, k = [], 1
+    while r.left():
+        got.append(r.take(min(k, r.left())).copy())
+        k = k * 3 + 1
+    r.finish()
+    assert b"".join(x.tobytes() for x in got) == whole.tobytes() == data
+    with pytest.raises(DecodeError, match="ends early"):
+        r.take(1)
+
+
+def test_stream_reader_refuses_what_decompress_refuses():
+    data = bytes(range(256)) * 1000
+    frame = _frame(data, write_checksum=True)
+    n = len(data)
+    for payload, raw_len, error, says in [
+        (frame + b"\0", n, DecodeError, "unused data"),
+        (frame + frame, n, DecodeError, "unused data"),
+        (frame[:-5], n, DecodeError, "cut short"),
+        (frame, n - 1, DecompressionBombError, "declares"),
+        (frame, n + 1, DecodeError, "declares"),
+        (b"not a frame at all", n, DecodeError, "not a zstd frame"),
+        (b"raw", 4, DecodeError, "raw stream holds 3"),
+    ]:
+        with pytest.raises(error, match=says):
+            streams.Reader("raw" if payload == b"raw" else "zstd", payload, raw_len, where="t")
+    bad = bytearray(frame)
+    bad[-1] ^= 0xFF  # the checksum: found when the frame ends
+    r = streams.Reader("zstd", bytes(bad), n, where="t")
+    with pytest.raises(DecodeError, match="corrupt"):
+        r.take(n)
+        r.finish()
+    r = streams.Reader("zstd", frame, n, where="t")
+    r.take(n - 1)
+    with pytest.raises(DecodeError, match="1 bytes left over"):
+        r.finish()
+
+
+def test_stream_reader_catches_a_frame_that_lies_about_its_size():
+    """A header re-written to declare fewer bytes than the frame holds: a bomb, found before more
+    than was asked for is inflated."""
+    data = bytes(range(256)) * 20  # 5120 bytes
+    frame = _frame(data)
+    assert frame[4] >> 6 == 1 and frame[4] & 0x20  # single segment, 2-byte content size (value - 256)
+    lying = frame[:5] + (1000 - 256).to_bytes(2, "little") + frame[7:]
+    r = streams.Reader("zstd", lying, 1000, where="t")
+    with pytest.raises(DecompressionBombError, match="inflates past"):
+        r.take(1000)
+        r.finish()
+
+
+# --- through the publisher and the subscriber -------------------------------------------------
+def _state(gen):
+    return {"w": (torch.randn(300, 257, generator=gen) * 0.02).to(torch.bfloat16),
+            "emb": (torch.randn(1000, 64, generator=gen) * 0.05).to(torch.bfloat16),
+            "ones": torch.ones(4096, dtype=torch.bfloat16),  # constant: planes are smaller
+            "f32": torch.randn(777, generator=gen),  # not bf16: planes
+            "f16": torch.randn(500, generator=gen).to(torch.float16),  # not bf16 either
+            "tiny": torch.randn(3, generator=gen).to(torch.bfloat16)}
+
+
+def _encodings(m, encoding):
+    return {m.tensors[s.tensor].name for b in m.blocks if b.encoding == encoding for s in b.segments}
+
+
+def test_keyframes_and_new_tensors_are_full_exp_and_late_joiners_agree():
+    gen = torch.Generator().manual_seed(1)
+    cur = _state(gen)
+    store = memory_store()
+    codec = CodecConfig(exp_full=True, exp_groups=True, block_bytes=32 << 10, chunk_bytes=64 << 10)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=codec))
+    follower = Subscriber(store=store)
+    joiners = []
+    for i in range(7):
+        if i == 4:
+            cur["new"] = (torch.randn(5000, generator=gen) * 0.1).to(torch.bfloat16)
+        res = pub.publish(cur, step=i)
+        assert follower.sync() == res.version
+        assert_state_equal(follower.state_dict(), cur)
+        m = follower.manifest
+        if res.kind == "keyframe":
+            joiners.append(Subscriber(store=store))
+            assert _encodings(m, FULL_EXP) == {"w", "emb"} | ({"new"} if "new" in cur else set())
+            assert _encodings(m, PLANES) == {"ones", "f32", "f16", "tiny"}
+            assert m.schema_version == FULL_EXP_SCHEMA_VERSION
+        else:
+            assert _encodings(m, FULL_EXP) == ({"new"} if i == 4 else set())
+        for j in joiners:
+            assert j.sync() == res.version
+            assert j.model_digest == follower.model_digest
+        cur = {k: (v.float() + torch.randn(v.shape, generator=gen) * 1e-3).to(v.dtype) for k, v in cur.items()}
+    assert len(joiners) == 3
+
+
+@pytest.mark.skipif(not rans.compiled(), reason="numba unavailable: full-rans is not written")
+def test_with_rans_full_too_the_smallest_is_written():
+    gen = torch.Generator().manual_seed(6)
+    sd = _state(gen)
+    sizes = {}
+    for flags in (dict(exp_full=True), dict(rans_full=True), dict(exp_full=True, rans_full=True)):
+        store = memory_store()
+        res = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(**flags))).publish(sd)
+        sub = Subscriber(store=store)
+        sub.sync()
+        assert_state_equal(sub.state_dict(), sd)
+        sizes[tuple(flags)] = (res.bytes_written, {b.encoding for b in sub.manifest.blocks}, sub.manifest.schema_version)
+    assert sizes[("exp_full",)][1:] == ({FULL_EXP, PLANES}, FULL_EXP_SCHEMA_VERSION)
+    assert sizes[("rans_full",)][1:] == ({FULL_RANS, PLANES}, RANS_SCHEMA_VERSION)
+    both = sizes[("exp_full", "rans_full")]
+    assert both[0] <= min(sizes[("exp_full",)][0], sizes[("rans_full",)][0]) + 200  # + a longer manifest
+    assert both[1] & {FULL_EXP, FULL_RANS}
+
+
+def test_without_the_flag_planes_are_written_and_numpy_writes_the_same():
+    gen = torch.Generator().manual_seed(2)
+    sd = _state(gen)
+    store = memory_store()
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig())).publish(sd)
+    sub = Subscriber(store=store)
+    sub.sync()
+    assert {b.encoding for b in sub.manifest.blocks} == {PLANES}
+    assert sub.manifest.schema_version < FULL_EXP_SCHEMA_VERSION
+
+    def objects():
+        chunks: list = []
+        enc = encode_version(sd, {n: f"{i:032x}" for i, n in enumerate(sorted(sd))}, None,
+                             CodecConfig(exp_full=True), lambda e, d: chunks.append((e, bytes(d))))
+        return chunks, enc.blocks
+
+    want = objects()
+    assert FULL_EXP in {b.encoding for b in want[1]}
+    with mock.patch.object(fullexp, "_kernels", lambda: None):  # no numba: the numpy loops
+        assert objects() == want
+
+
+def test_old_readers_and_bad_manifests_are_refused():
+    from xcluster import format as fmt
+
+    gen = torch.Generator().manual_seed(3)
+    store = memory_store()
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_full=True))).publish(_state(gen))
+    data = store.get(mkey(store, 1)).data
+    obj = json.loads(data)
+    assert obj["schema_version"] == FULL_EXP_SCHEMA_VERSION
+    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of schemas 1-6
+        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=(1, 2, 3, 4, 5, 6))
+    with pytest.raises(FormatError, match="a full-exp block needs schema_version 7"):
+        fmt.parse_manifest(fmt.canonical_json(dict(obj, schema_version=6)))
+
+    def block(o):
+        return [b for b in o["blocks"] if b["encoding"] == FULL_EXP][0]
+
+    bad = json.loads(data)  # a full-exp segment on a tensor of another dtype
+    f16 = [i for i, t in enumerate(bad["tensors"]) if t["dtype"] == "float16"][0]
+    block(bad)["segments"][0] = [f16, 0, 100, 100]
+    with pytest.raises(FormatError, match="only bfloat16"):
+        fmt.parse_manifest(fmt.canonical_json(bad))
+    for stream, delta, error, says in [(1, 1, Exception, "stream 1 declares"),  # symbols: exactly count
+                                       (1, -1, FormatError, "stream 1 declares"),
+                                       (0, 1, Exception, "stream 0 declares"),  # a base per segment
+                                       (3, -1, FormatError, "stream 3 declares")]:
+        bad = json.loads(data)
+        block(bad)["streams"][stream][2] += delta
+        with pytest.raises(error, match=says):
+            fmt.parse_manifest(fmt.canonical_json(bad))
+    bad = json.loads(data)  # more escapes than elements: a bomb, refused before anything is read
+    blk = block(bad)
+    blk["streams"][2][2] = sum(s[2] for s in blk["segments"]) + 1
+    with pytest.raises(DecompressionBombError, match="stream 2 declares"):
+        fmt.parse_manifest(fmt.canonical_json(bad))
+
+
+def test_decode_block_fills_the_tensors_it_is_given_in_place():
+    """Several tensors' segments in one block, decoded in order, into the tensors given (no
+    operations) or as Fill operations; the block's streams must be used up."""
+    gen = torch.Generator().manual_seed(4)
+    sd = {f"t{i}": (torch.randn(2000 + i, generator=gen) * 0.02).to(torch.bfloat16) for i in range(5)}
+    store = memory_store()
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_full=True))).publish(sd)
+    sub = Subscriber(store=store)
+    sub.sync()
+    m = sub.manifest
+    (blk,) = [b for b in m.blocks if b.encoding == FULL_EXP]
+    assert len(blk.segments) == 5
+    chunk = store.get(f"versions/{1:012d}/{m.chunks[blk.chunk].name}").data
+    ops = decode_block(blk, chunk, m.tensors, where="t")
+    assert [op.tensor for op in ops] == [s.tensor for s in blk.segments] and all(isinstance(o, Fill) for o in ops)
+    into = {1: torch.zeros(2001, dtype=torch.bfloat16), 3: torch.zeros(2003, dtype=torch.bfloat16)}
+    ops = decode_block(blk, chunk, m.tensors, where="t", into=into)
+    assert [op.tensor for op in ops] == [0, 2, 4]
+    assert torch.equal(flat_bits(into[1]), flat_bits(sd["t1"])) and torch.equal(flat_bits(into[3]), flat_bits(sd["t3"]))
+    short = replace(blk, segments=blk.segments[:-1])  # the streams hold bytes nobody reads
+    with pytest.raises(DecodeError):
+        decode_block(short, chunk, m.tensors, where="t")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(["bfloat16", "float16", "float32", "bool", "int8"]),
+       shape=st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
+       density=st.sampled_from([0.0, 0.01, 0.5, 1.0]), seed=st.integers(0, 2**31 - 1), force=st.booleans())
+def test_property_keyframes_any_dtype_shape(dtype, shape, density, seed, force):
+    """The hypothesis round trip with ``exp_full`` on and a keyframe every other version; forced,
+    every bf16 range of whole values is written as full-exp whether it is smaller or not, however short."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch_dtype(dtype)
+    cur = {"a": random_tensor(dt, shape, gen), "b": random_tensor(dt, (64, 67), gen)}
+    versions = [cur]
+    for _ in range(3):
+        cur = {k: perturb(v, density, gen) for k, v in cur.items()}
+        versions.append(cur)
+    codec = replace(SMALL, exp_full=True)
+    forced = mock.patch.object(encode_mod, "_full", lambda planes, bits, cfg: (FULL_EXP, fullexp.encode(bits)))
+    if force:  # every length, down to one element
+        with forced, mock.patch.object(encode_mod, "FULL_MIN_ELEMENTS", 1):
+            publish_roundtrip(versions, keyframe_every=2, codec=codec)
+    else:
+        publish_roundtrip(versions, keyframe_every=2, codec=codec)
+
+
+def test_torch_scan_writes_the_numpy_bytes():
+    """A keyframe and a new tensor scanned with torch ops write the same full-exp objects as the numpy scan."""
+    gen = torch.Generator().manual_seed(5)
+    base = _state(gen)
+    new = dict(base, added=(torch.randn(7000, generator=gen) * 0.01).to(torch.bfloat16))
+
+    def objects(state, old, scan):
+        chunks: list = []
+        enc = encode_version(state, {n: f"{i:032x}" for i, n in enumerate(sorted(state))}, old,
+                             CodecConfig(scan=scan, exp_full=True, block_bytes=16 << 10, chunk_bytes=32 << 10),
+                             lambda e, d: chunks.append((e, bytes(d))))
+        return chunks, enc.tensors, enc.blocks
+
+    for state, old in ((base, None), (new, base)):
+        want = objects(state, old, "numpy")
+        assert FULL_EXP in {b.encoding for b in want[2]}
+        assert objects(state, old, "torch") == want
