@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from . import jit
-from .rans import RAW_BITS, RMAP, check_out, raw_bytes
+from .rans import RAW_BITS, check_out, raw_bytes
 from .streams import Reader
 
 WINDOW = 63
@@ -58,17 +58,6 @@ def choose_base(hist: np.ndarray) -> int:
     window = np.convolve(hist.astype(np.int64), np.ones(WINDOW, dtype=np.int64))[WINDOW - 1:MAX_BASE + WINDOW]
     best = np.flatnonzero(window == window.max())
     return int(best[np.argmin(np.abs(best - PREFERRED_BASE))])
-
-
-@functools.cache
-def lut(base: int) -> np.ndarray:
-    """``lut[s]``: the bits symbol ``s`` gives a value (exponent and top mantissa bits; an escape's
-    exponent comes from the escapes stream)."""
-    s = np.arange(256, dtype=np.int64)
-    e = np.where(s < ESCAPE, base + (s >> 2), 0)
-    out = ((e << 7) | ((s & 3) << 5)).astype(np.uint16)
-    out.flags.writeable = False
-    return out
 
 
 # --- the loops (compiled by numba when it is there; numpy below otherwise) -----------------------
@@ -133,37 +122,53 @@ def _pack(u, raw):
         raw[3 * (n // 4) + b] = np.uint8((w >> np.uint32(8 * b)) & np.uint32(255))
 
 
-def _join(sym, esc, raw, table, rmap, out):
-    """Values from symbols, escapes and packed raw fields; ``table`` is :func:`lut` of the
-    segment's base. Returns the number of escapes used, or -1 when ``esc`` ran out."""
+def _join(sym, esc, raw, base, out):
+    """Values from symbols, escapes and packed raw fields, for a segment of base ``base``. A
+    symbol s < 252 gives the bits ``(s << 5) + (base << 7)`` (``4·(e − base) + m`` shifted into
+    place is ``(e << 7) | (m << 5)`` less ``base << 7``): no table, and the loop has no branch;
+    escapes are put right in a second pass, when there are any. Returns the number of escapes
+    used, or -1 when ``esc`` ran out."""
     n = sym.size
-    k = 0
-    main = n - n % 4
-    for j in range(0, main, 4):
-        b = 3 * (j >> 2)
-        w = np.int64(raw[b]) | (np.int64(raw[b + 1]) << 8) | (np.int64(raw[b + 2]) << 16)
-        for i in range(4):
-            s = sym[j + i]
-            v = table[s]
-            if s >= ESCAPE:
-                if k >= esc.size:
-                    return -1
-                v |= np.uint16(esc[k]) << np.uint16(7)
-                k += 1
-            out[j + i] = v | rmap[(w >> (RAW_BITS * i)) & 63]
-    for j in range(main, n):
+    top = np.uint16(base << 7)
+    keep = np.uint16(0x7FE0)  # an escape's bits 5-14 are wrong until put right, and nothing else
+    for g in range(n // 4):
+        b0 = np.uint16(raw[3 * g])
+        b1 = np.uint16(raw[3 * g + 1])
+        b2 = np.uint16(raw[3 * g + 2])
+        r0 = b0 & np.uint16(63)
+        r1 = (b0 >> np.uint16(6)) | ((b1 & np.uint16(15)) << np.uint16(2))
+        r2 = (b1 >> np.uint16(4)) | ((b2 & np.uint16(3)) << np.uint16(4))
+        r3 = b2 >> np.uint16(2)
+        o = 4 * g
+        out[o] = (((np.uint16(sym[o]) << np.uint16(5)) + top) & keep) | (r0 & np.uint16(31)) \
+            | ((r0 & np.uint16(32)) << np.uint16(10))
+        out[o + 1] = (((np.uint16(sym[o + 1]) << np.uint16(5)) + top) & keep) | (r1 & np.uint16(31)) \
+            | ((r1 & np.uint16(32)) << np.uint16(10))
+        out[o + 2] = (((np.uint16(sym[o + 2]) << np.uint16(5)) + top) & keep) | (r2 & np.uint16(31)) \
+            | ((r2 & np.uint16(32)) << np.uint16(10))
+        out[o + 3] = (((np.uint16(sym[o + 3]) << np.uint16(5)) + top) & keep) | (r3 & np.uint16(31)) \
+            | ((r3 & np.uint16(32)) << np.uint16(10))
+    for j in range(n - n % 4, n):
         bit = RAW_BITS * j
         w = np.int64(raw[bit >> 3])
         if (bit >> 3) + 1 < raw.size:
             w |= np.int64(raw[(bit >> 3) + 1]) << 8
-        s = sym[j]
-        v = table[s]
-        if s >= ESCAPE:
-            if k >= esc.size:
-                return -1
-            v |= np.uint16(esc[k]) << np.uint16(7)
-            k += 1
-        out[j] = v | rmap[(w >> (bit & 7)) & 63]
+        r = np.uint16((w >> (bit & 7)) & 63)
+        out[j] = (((np.uint16(sym[j]) << np.uint16(5)) + top) & keep) | (r & np.uint16(31)) \
+            | ((r & np.uint16(32)) << np.uint16(10))
+    escaped = 0
+    for j in range(n):
+        escaped += sym[j] >= ESCAPE
+    if escaped > esc.size:
+        return -1
+    k = 0
+    if escaped:
+        for j in range(n):
+            s = np.uint16(sym[j])
+            if s >= ESCAPE:
+                out[j] = (out[j] & np.uint16(0x801F)) | (np.uint16(esc[k]) << np.uint16(7)) \
+                    | ((s & np.uint16(3)) << np.uint16(5))
+                k += 1
     return k
 
 
@@ -190,17 +195,18 @@ def _np_pack(u, raw):
     raw[:] = np.stack((w & 255, (w >> 8) & 255, w >> 16), axis=1).ravel()[:raw.size]
 
 
-def _np_join(sym, esc, raw, table, rmap, out):
+def _np_join(sym, esc, raw, base, out):
     n = sym.size
-    v = table[sym]
+    v = ((sym.astype(np.uint16) << 5) + np.uint16(base << 7)) & np.uint16(0x7FE0)
+    padded = np.concatenate((raw, np.zeros(-raw.size % 3, dtype=np.uint8))).reshape(-1, 3).astype(np.uint32)
+    w = padded[:, 0] | (padded[:, 1] << 8) | (padded[:, 2] << 16)
+    r = np.stack([(w >> (RAW_BITS * i)) & 63 for i in range(4)], axis=1).ravel()[:n].astype(np.uint16)
+    v |= (r & 31) | ((r & 32) << 10)
     where = np.flatnonzero(sym >= ESCAPE)
     if where.size > esc.size:
         return -1
-    v[where] |= esc[:where.size].astype(np.uint16) << 7
-    padded = np.concatenate((raw, np.zeros(-raw.size % 3, dtype=np.uint8))).reshape(-1, 3).astype(np.int64)
-    w = padded[:, 0] | (padded[:, 1] << 8) | (padded[:, 2] << 16)
-    r = np.stack([(w >> (RAW_BITS * i)) & 63 for i in range(4)], axis=1).ravel()[:n]
-    out[:] = v | rmap[r]
+    v[where] = (v[where] & np.uint16(0x801F)) | (esc[:where.size].astype(np.uint16) << 7) | ((sym[where] & 3) << 5)
+    out[:] = v
     return where.size
 
 
@@ -284,11 +290,10 @@ class SegmentReader:
         if count % 4 and int(raw[-1]) >> (RAW_BITS * count % 8):
             raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
         out = np.empty(count, dtype=np.uint16) if out is None else check_out(out, count)
-        table = lut(base)
         for pos in range(0, count, PIECE):  # PIECE is a multiple of 4: each piece starts on a whole raw byte
             m = min(PIECE, count - pos)
             used = self._join(self.symbols.take(m), self.escapes[self.e:], raw[3 * pos // 4:3 * pos // 4 + raw_bytes(m)],
-                              table, RMAP, out[pos:pos + m])
+                              base, out[pos:pos + m])
             if used < 0:
                 raise DecodeError(f"{where}: the escapes stream ends early")
             self.e += used
