@@ -3,12 +3,15 @@ trainer's, bit for bit, and the last one is reached."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import xcluster
 from tests.support.faultproxy import KINDS, FaultProxy
 from xcluster.digest import model_digest
+from xcluster.manifest_object import unpack
 from xcluster.retry import RetryPolicy
 from xcluster.store.s3config import MiB
 
@@ -39,8 +42,10 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         sub_store._prefix, sub_store.url = pub_store._prefix, pub_store.url  # same prefix
         pub = xcluster.Publisher(store=pub_store,
                                  config=xcluster.PublisherConfig(keyframe_every=6))
-        # half-way the trainer restarts with packed manifests (FORMAT.md §3a): a keyframe, then deltas
-        packed = xcluster.PublisherConfig(keyframe_every=6, compress_manifest=True)
+        # half-way the trainer restarts with codec v2 and packed manifests (FORMAT.md §3a, §5a, §5c):
+        # a full-exp keyframe, then sparse-exp2 deltas
+        packed = xcluster.PublisherConfig(keyframe_every=6, compress_manifest=True,
+                                          codec=xcluster.CodecConfig(exp_groups=True, exp_full=True))
         applied = []
         sub = xcluster.Subscriber(store=sub_store, on_apply=applied.append)
         assert sub.sync() is None  # nothing published yet
@@ -69,5 +74,10 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
           f"requests; retries pub {pub_store.stats.retries} sub {sub_store.stats.retries}; "
           f"corrupt reads caught by the store {sub_store.stats.corrupt_reads}; 0 corrupt applies")
     assert sum(proxy.counts.values()) > 0
-    names = [k.rsplit("/", 1)[1] for k in pub_store.list("versions/") if "/manifest-" in k]
+    direct = s3_server.store()  # the proxy is gone: look at the objects straight from the server
+    direct._prefix, direct.url = pub_store._prefix, pub_store.url
+    names = [k.rsplit("/", 1)[1] for k in direct.list("versions/") if "/manifest-" in k]
     assert sum(n.endswith(".json.zst") for n in names) >= 4 and sum(n.endswith(".json") for n in names) >= 4
+    encodings = {b["encoding"] for k in direct.list("versions/") if k.endswith(".json.zst")
+                 for b in json.loads(unpack(k, direct.get(k).data, where=k))["blocks"]}
+    assert {"full-exp", "sparse-exp2"} <= encodings

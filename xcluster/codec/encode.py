@@ -63,14 +63,15 @@ class CodecConfig:
     """Write whole bf16 values (keyframes, new tensors) as ``full-exp`` (exponent and top mantissa
     bits as one byte that zstd's literal coder entropy codes, the rest packed, FORMAT.md §5c) where
     that is smaller than byte planes: about 10.58 bits per element on real weights instead of 10.96
-    (1.51× instead of 1.46×; bench/codec.py --v2 --real), decoded at about 1.3 GB/s per core, as
-    fast as byte planes. Opt-in because a manifest with such a block declares schema 7, which older
+    (1.512× instead of 1.459×; bench/codec.py --v2 --real), decoded at about 1.1-1.2 GB/s per core
+    (at least byte planes' speed) and encoded about as fast. Works without numba (numpy loops,
+    several times slower). Opt-in because a manifest with such a block declares schema 7, which older
     readers refuse: turn it on once every subscriber reads schema 7."""
 
     rans_full: bool = False
     """Also consider ``full-rans`` for whole bf16 values (exponent and top mantissa bits rANS coded,
     FORMAT.md §5b), written where it is the smallest: about 10.56 bits per element on real weights
-    (0.15% below ``full-exp``), but decoded at only 0.6-0.9 GB/s per core and encoded at about half
+    (0.2% below ``full-exp``), but decoded at only 0.6-0.9 GB/s per core and encoded at about 0.7×
     the speed. Needs numba (without it this is ignored). Declares schema 6 (7 with ``full-exp``
     blocks in the same manifest)."""
 
