@@ -34,3 +34,11 @@ def mkey(store, version: int) -> str:
 
     head, _ = read_head(store)
     return find_link(store, head, version).key
+
+
+def bf16_weights(n: int, seed: int = 0, scale: float = 0.02):
+    """The raw bits (uint16 numpy) of ``n`` Gaussian bf16 weights."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * scale).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

@@ -4,7 +4,6 @@ bits; and the piecewise stream reader it decodes its symbols with."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -15,24 +14,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
-from xcluster.codec import encode as encode_mod
 from xcluster.codec import fullexp, rans, streams
-from xcluster.codec.decode import Fill, decode_block
 from xcluster.codec.encode import encode_version
-from xcluster.dtypes import flat_bits, torch_dtype
-from xcluster.errors import DecodeError, DecompressionBombError, FormatError, SchemaVersionError
-from xcluster.format import FULL_EXP, FULL_EXP_SCHEMA_VERSION, FULL_RANS, PLANES, RANS_SCHEMA_VERSION
-from tests.unit.helpers import assert_state_equal, memory_store, mkey
-from tests.unit.test_roundtrip import SMALL, perturb, random_tensor
-from tests.unit.test_roundtrip import roundtrip as publish_roundtrip
+from xcluster.errors import DecodeError, DecompressionBombError
+from xcluster.format import FULL_EXP, FULL_EXP_SCHEMA_VERSION, PLANES
+from tests.unit.helpers import bf16_weights as weights
+from tests.unit.helpers import memory_store, mkey
+from tests.unit.test_full_values import published, state
 
 LOOPS = [False, True] if fullexp.compiled() else [True]
 """numpy=False (the compiled loops) and numpy=True."""
-
-
-def weights(n: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, generator=gen) * scale).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def roundtrip(u: np.ndarray) -> list[np.ndarray]:
@@ -145,9 +136,9 @@ def _read(pieces, n=N, numpy=False):
     ("raw-short", "raw stream ends early"),
     ("padding", "padding"),
     ("escapes-short", "escapes stream ends early"),
-    ("escapes-left", "left over in the full-exp escapes"),
-    ("bases-left", "left over in the full-exp bases"),
-    ("raw-left", "left over in the full-exp raw"),
+    ("escapes-left", "left over in the escapes stream"),
+    ("bases-left", "left over in the bases stream"),
+    ("raw-left", "left over in the raw stream"),
     ("symbols-left", "left over in the stream"),
 ])
 def test_reader_rejects(case, match, numpy):
@@ -260,71 +251,10 @@ def test_stream_reader_catches_a_frame_that_lies_about_its_size():
         r.finish()
 
 
-# --- through the publisher and the subscriber -------------------------------------------------
-def _state(gen):
-    return {"w": (torch.randn(300, 257, generator=gen) * 0.02).to(torch.bfloat16),
-            "emb": (torch.randn(1000, 64, generator=gen) * 0.05).to(torch.bfloat16),
-            "ones": torch.ones(4096, dtype=torch.bfloat16),  # constant: planes are smaller
-            "f32": torch.randn(777, generator=gen),  # not bf16: planes
-            "f16": torch.randn(500, generator=gen).to(torch.float16),  # not bf16 either
-            "tiny": torch.randn(3, generator=gen).to(torch.bfloat16)}
-
-
-def _encodings(m, encoding):
-    return {m.tensors[s.tensor].name for b in m.blocks if b.encoding == encoding for s in b.segments}
-
-
-def test_keyframes_and_new_tensors_are_full_exp_and_late_joiners_agree():
-    gen = torch.Generator().manual_seed(1)
-    cur = _state(gen)
-    store = memory_store()
-    codec = CodecConfig(exp_full=True, exp_groups=True, block_bytes=32 << 10, chunk_bytes=64 << 10)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=codec))
-    follower = Subscriber(store=store)
-    joiners = []
-    for i in range(7):
-        if i == 4:
-            cur["new"] = (torch.randn(5000, generator=gen) * 0.1).to(torch.bfloat16)
-        res = pub.publish(cur, step=i)
-        assert follower.sync() == res.version
-        assert_state_equal(follower.state_dict(), cur)
-        m = follower.manifest
-        if res.kind == "keyframe":
-            joiners.append(Subscriber(store=store))
-            assert _encodings(m, FULL_EXP) == {"w", "emb"} | ({"new"} if "new" in cur else set())
-            assert _encodings(m, PLANES) == {"ones", "f32", "f16", "tiny"}
-            assert m.schema_version == FULL_EXP_SCHEMA_VERSION
-        else:
-            assert _encodings(m, FULL_EXP) == ({"new"} if i == 4 else set())
-        for j in joiners:
-            assert j.sync() == res.version
-            assert j.model_digest == follower.model_digest
-        cur = {k: (v.float() + torch.randn(v.shape, generator=gen) * 1e-3).to(v.dtype) for k, v in cur.items()}
-    assert len(joiners) == 3
-
-
-@pytest.mark.skipif(not rans.compiled(), reason="numba unavailable: full-rans is not written")
-def test_with_rans_full_too_the_smallest_is_written():
-    gen = torch.Generator().manual_seed(6)
-    sd = _state(gen)
-    sizes = {}
-    for flags in (dict(exp_full=True), dict(rans_full=True), dict(exp_full=True, rans_full=True)):
-        store = memory_store()
-        res = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(**flags))).publish(sd)
-        sub = Subscriber(store=store)
-        sub.sync()
-        assert_state_equal(sub.state_dict(), sd)
-        sizes[tuple(flags)] = (res.bytes_written, {b.encoding for b in sub.manifest.blocks}, sub.manifest.schema_version)
-    assert sizes[("exp_full",)][1:] == ({FULL_EXP, PLANES}, FULL_EXP_SCHEMA_VERSION)
-    assert sizes[("rans_full",)][1:] == ({FULL_RANS, PLANES}, RANS_SCHEMA_VERSION)
-    both = sizes[("exp_full", "rans_full")]
-    assert both[0] <= min(sizes[("exp_full",)][0], sizes[("rans_full",)][0]) + 200  # + a longer manifest
-    assert both[1] & {FULL_EXP, FULL_RANS}
-
-
+# --- through the publisher (and tests/unit/test_full_values.py) -------------------------------
 def test_without_the_flag_planes_are_written_and_numpy_writes_the_same():
     gen = torch.Generator().manual_seed(2)
-    sd = _state(gen)
+    sd = state(gen)
     store = memory_store()
     Publisher(store=store, config=PublisherConfig(codec=CodecConfig())).publish(sd)
     sub = Subscriber(store=store)
@@ -344,104 +274,12 @@ def test_without_the_flag_planes_are_written_and_numpy_writes_the_same():
         assert objects() == want
 
 
-def test_old_readers_and_bad_manifests_are_refused():
+def test_more_escapes_than_elements_is_a_bomb():
     from xcluster import format as fmt
 
-    gen = torch.Generator().manual_seed(3)
-    store = memory_store()
-    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_full=True))).publish(_state(gen))
-    data = store.get(mkey(store, 1)).data
-    obj = json.loads(data)
-    assert obj["schema_version"] == FULL_EXP_SCHEMA_VERSION
-    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of schemas 1-6
-        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=(1, 2, 3, 4, 5, 6))
-    with pytest.raises(FormatError, match="a full-exp block needs schema_version 7"):
-        fmt.parse_manifest(fmt.canonical_json(dict(obj, schema_version=6)))
-
-    def block(o):
-        return [b for b in o["blocks"] if b["encoding"] == FULL_EXP][0]
-
-    bad = json.loads(data)  # a full-exp segment on a tensor of another dtype
-    f16 = [i for i, t in enumerate(bad["tensors"]) if t["dtype"] == "float16"][0]
-    block(bad)["segments"][0] = [f16, 0, 100, 100]
-    with pytest.raises(FormatError, match="only bfloat16"):
-        fmt.parse_manifest(fmt.canonical_json(bad))
-    for stream, delta, error, says in [(1, 1, Exception, "stream 1 declares"),  # symbols: exactly count
-                                       (1, -1, FormatError, "stream 1 declares"),
-                                       (0, 1, Exception, "stream 0 declares"),  # a base per segment
-                                       (3, -1, FormatError, "stream 3 declares")]:
-        bad = json.loads(data)
-        block(bad)["streams"][stream][2] += delta
-        with pytest.raises(error, match=says):
-            fmt.parse_manifest(fmt.canonical_json(bad))
-    bad = json.loads(data)  # more escapes than elements: a bomb, refused before anything is read
-    blk = block(bad)
+    store, _, _ = published(state(torch.Generator().manual_seed(3)), CodecConfig(exp_full=True))
+    bad = json.loads(store.get(mkey(store, 1)).data)
+    blk = [b for b in bad["blocks"] if b["encoding"] == FULL_EXP][0]
     blk["streams"][2][2] = sum(s[2] for s in blk["segments"]) + 1
     with pytest.raises(DecompressionBombError, match="stream 2 declares"):
         fmt.parse_manifest(fmt.canonical_json(bad))
-
-
-def test_decode_block_fills_the_tensors_it_is_given_in_place():
-    """Several tensors' segments in one block, decoded in order, into the tensors given (no
-    operations) or as Fill operations; the block's streams must be used up."""
-    gen = torch.Generator().manual_seed(4)
-    sd = {f"t{i}": (torch.randn(2000 + i, generator=gen) * 0.02).to(torch.bfloat16) for i in range(5)}
-    store = memory_store()
-    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_full=True))).publish(sd)
-    sub = Subscriber(store=store)
-    sub.sync()
-    m = sub.manifest
-    (blk,) = [b for b in m.blocks if b.encoding == FULL_EXP]
-    assert len(blk.segments) == 5
-    chunk = store.get(f"versions/{1:012d}/{m.chunks[blk.chunk].name}").data
-    ops = decode_block(blk, chunk, m.tensors, where="t")
-    assert [op.tensor for op in ops] == [s.tensor for s in blk.segments] and all(isinstance(o, Fill) for o in ops)
-    into = {1: torch.zeros(2001, dtype=torch.bfloat16), 3: torch.zeros(2003, dtype=torch.bfloat16)}
-    ops = decode_block(blk, chunk, m.tensors, where="t", into=into)
-    assert [op.tensor for op in ops] == [0, 2, 4]
-    assert torch.equal(flat_bits(into[1]), flat_bits(sd["t1"])) and torch.equal(flat_bits(into[3]), flat_bits(sd["t3"]))
-    short = replace(blk, segments=blk.segments[:-1])  # the streams hold bytes nobody reads
-    with pytest.raises(DecodeError):
-        decode_block(short, chunk, m.tensors, where="t")
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(["bfloat16", "float16", "float32", "bool", "int8"]),
-       shape=st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
-       density=st.sampled_from([0.0, 0.01, 0.5, 1.0]), seed=st.integers(0, 2**31 - 1), force=st.booleans())
-def test_property_keyframes_any_dtype_shape(dtype, shape, density, seed, force):
-    """The hypothesis round trip with ``exp_full`` on and a keyframe every other version; forced,
-    every bf16 range of whole values is written as full-exp whether it is smaller or not, however short."""
-    gen = torch.Generator().manual_seed(seed)
-    dt = torch_dtype(dtype)
-    cur = {"a": random_tensor(dt, shape, gen), "b": random_tensor(dt, (64, 67), gen)}
-    versions = [cur]
-    for _ in range(3):
-        cur = {k: perturb(v, density, gen) for k, v in cur.items()}
-        versions.append(cur)
-    codec = replace(SMALL, exp_full=True)
-    forced = mock.patch.object(encode_mod, "_full", lambda planes, bits, cfg: (FULL_EXP, fullexp.encode(bits)))
-    if force:  # every length, down to one element
-        with forced, mock.patch.object(encode_mod, "FULL_MIN_ELEMENTS", 1):
-            publish_roundtrip(versions, keyframe_every=2, codec=codec)
-    else:
-        publish_roundtrip(versions, keyframe_every=2, codec=codec)
-
-
-def test_torch_scan_writes_the_numpy_bytes():
-    """A keyframe and a new tensor scanned with torch ops write the same full-exp objects as the numpy scan."""
-    gen = torch.Generator().manual_seed(5)
-    base = _state(gen)
-    new = dict(base, added=(torch.randn(7000, generator=gen) * 0.01).to(torch.bfloat16))
-
-    def objects(state, old, scan):
-        chunks: list = []
-        enc = encode_version(state, {n: f"{i:032x}" for i, n in enumerate(sorted(state))}, old,
-                             CodecConfig(scan=scan, exp_full=True, block_bytes=16 << 10, chunk_bytes=32 << 10),
-                             lambda e, d: chunks.append((e, bytes(d))))
-        return chunks, enc.tensors, enc.blocks
-
-    for state, old in ((base, None), (new, base)):
-        want = objects(state, old, "numpy")
-        assert FULL_EXP in {b.encoding for b in want[2]}
-        assert objects(state, old, "torch") == want

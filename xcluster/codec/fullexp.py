@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from . import jit
-from .rans import RAW_BITS, check_out, raw_bytes
+from .rans import RAW_BITS, check_out, raw_bytes, raw_piece, used_up
 from .streams import Reader
 
 WINDOW = 63
@@ -282,13 +282,8 @@ class SegmentReader:
             raise DecodeError(f"{where}: base {base} is above {MAX_BASE} (its window would pass exponent 255)")
         if self.symbols.left() < count:
             raise DecodeError(f"{where}: the symbols stream ends early")
-        rb = raw_bytes(count)
-        if self.r + rb > self.raw.size:
-            raise DecodeError(f"{where}: the raw stream ends early")
-        raw = self.raw[self.r:self.r + rb]
-        self.r += rb
-        if count % 4 and int(raw[-1]) >> (RAW_BITS * count % 8):
-            raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
+        raw = raw_piece(self.raw, self.r, count, where)
+        self.r += raw.size
         out = np.empty(count, dtype=np.uint16) if out is None else check_out(out, count)
         for pos in range(0, count, PIECE):  # PIECE is a multiple of 4: each piece starts on a whole raw byte
             m = min(PIECE, count - pos)
@@ -301,8 +296,6 @@ class SegmentReader:
 
     def finish(self) -> None:
         """Every stream read to its end."""
-        for name, pos, arr in (("bases", self.b, self.bases), ("escapes", self.e, self.escapes),
-                               ("raw", self.r, self.raw)):
-            if pos != arr.size:
-                raise DecodeError(f"{self.where}: {arr.size - pos} bytes left over in the full-exp {name} stream")
+        used_up(f"{self.where}: full-exp", bases=(self.b, self.bases), escapes=(self.e, self.escapes),
+                raw=(self.r, self.raw))
         self.symbols.finish()

@@ -59,9 +59,28 @@ def check_out(out: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
+def used_up(where: str, **streams: tuple[int, np.ndarray]) -> None:
+    """A DecodeError unless each stream (name: (bytes read, the stream)) is read to its end."""
+    for name, (pos, arr) in streams.items():
+        if pos != arr.size:
+            raise DecodeError(f"{where}: {arr.size - pos} bytes left over in the {name} stream")
+
+
 def raw_bytes(count: int) -> int:
     """Bytes of a segment's piece of the raw stream."""
     return (RAW_BITS * count + 7) // 8
+
+
+def raw_piece(raw: np.ndarray, pos: int, count: int, where: str) -> np.ndarray:
+    """The piece of a raw stream (FORMAT.md §5b) from byte ``pos`` that holds ``count`` fields, its
+    padding bits checked."""
+    rb = raw_bytes(count)
+    if pos + rb > raw.size:
+        raise DecodeError(f"{where}: the raw stream ends early")
+    piece = raw[pos:pos + rb]
+    if count % 4 and int(piece[-1]) >> (RAW_BITS * count % 8):
+        raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
+    return piece
 
 
 # --- frequencies --------------------------------------------------------------------------------
@@ -410,13 +429,8 @@ class SegmentReader:
         words = piece[STATE_BYTES:].view("<u2")
         if not words.flags.aligned or words.dtype != np.uint16:
             words = words.astype(np.uint16)
-        rb = raw_bytes(count)
-        if self.r + rb > self.raw.size:
-            raise DecodeError(f"{where}: the raw stream ends early")
-        raw = self.raw[self.r:self.r + rb]
-        self.r += rb
-        if count % 4 and int(raw[-1]) >> (RAW_BITS * count % 8):
-            raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
+        raw = raw_piece(self.raw, self.r, count, where)
+        self.r += raw.size
         if not freq.flags.aligned or freq.dtype != np.uint16:
             freq = freq.astype(np.uint16)
         table = np.empty(TOTAL, dtype=np.int64)
@@ -432,7 +446,5 @@ class SegmentReader:
 
     def finish(self) -> None:
         """Every stream read to its end."""
-        for name, pos, arr in (("tables", self.t, self.tables), ("words", self.w, self.words),
-                               ("raw", self.r, self.raw)):
-            if pos != arr.size:
-                raise DecodeError(f"{self.where}: {arr.size - pos} bytes left over in the full-rans {name} stream")
+        used_up(f"{self.where}: full-rans", tables=(self.t, self.tables), words=(self.w, self.words),
+                raw=(self.r, self.raw))

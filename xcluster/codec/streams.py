@@ -36,18 +36,25 @@ def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -
     return ZSTD, payload
 
 
-def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> np.ndarray:
-    """Decode one stream to exactly ``raw_len`` bytes (a uint8 array) or raise a named error."""
+def _checked(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> bool:
+    """Check what can be checked before inflating anything; True for a zstd frame, False for raw bytes."""
     if codec == RAW:
         if len(payload) != raw_len:
             raise DecodeError(f"{where}: raw stream holds {len(payload)} bytes, manifest says {raw_len}")
-        return np.frombuffer(payload, dtype=np.uint8)
+        return False
     if codec != ZSTD:
         raise DecodeError(f"{where}: unknown stream codec {codec!r}")
     declared = frame_size(payload, where=where)
     if declared != raw_len:
         cls = DecompressionBombError if declared > raw_len else DecodeError
         raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
+    return True
+
+
+def decompress(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> np.ndarray:
+    """Decode one stream to exactly ``raw_len`` bytes (a uint8 array) or raise a named error."""
+    if not _checked(codec, payload, raw_len, where=where):
+        return np.frombuffer(payload, dtype=np.uint8)
     return np.frombuffer(inflate(payload, raw_len, where=where), dtype=np.uint8)
 
 
@@ -60,17 +67,9 @@ class Reader:
 
     def __init__(self, codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> None:
         self.where, self.raw_len, self.pos = where, raw_len, 0
-        if codec == RAW:
-            if len(payload) != raw_len:
-                raise DecodeError(f"{where}: raw stream holds {len(payload)} bytes, manifest says {raw_len}")
+        if not _checked(codec, payload, raw_len, where=where):
             self._raw: np.ndarray | None = np.frombuffer(payload, dtype=np.uint8)
             return
-        if codec != ZSTD:
-            raise DecodeError(f"{where}: unknown stream codec {codec!r}")
-        declared = frame_size(payload, where=where)
-        if declared != raw_len:
-            cls = DecompressionBombError if declared > raw_len else DecodeError
-            raise cls(f"{where}: zstd frame declares {declared} bytes, manifest says {raw_len}")
         if (end := frame_length(payload, where=where)) != len(payload):
             raise DecodeError(f"{where}: {len(payload) - end} bytes of unused data after the zstd frame")
         self._raw = None
