@@ -172,3 +172,24 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
         bad[s][bit // 8] ^= np.uint8(1 << (bit % 8))
         assert _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=True) == \
             _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=False)
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 31), st.integers(0, 2**20)), min_size=1,
+                       max_size=20),
+       seed=st.integers(0, 2**31))
+def test_compiled_and_numpy_rice_coders_write_the_same_bytes(groups, seed):
+    """expgroup.pack's Rice codes (quotients, remainders): the compiled loop writes numpy's bytes,
+    for every Rice parameter up to 31 and gaps from 0 to far past 2**k, and they decode back."""
+    from xcluster.codec import expgroup
+
+    rng = np.random.default_rng(seed)
+    n = np.array([g[0] for g in groups], dtype=np.int64)
+    k = np.array([g[1] for g in groups], dtype=np.int64)
+    ranks = np.concatenate([np.sort(rng.choice(c + spread, c, replace=False)) for c, _, spread in groups])
+    unary, rem = exprank.rice_code(ranks, n, k)
+    want_unary, want_rem = expgroup._rice_numpy(ranks, n, k)
+    assert unary.tobytes() == want_unary.tobytes() and rem.tobytes() == want_rem.tobytes()
+    got, uend, rend, err = exprank.rice_ranks(unary, 0, rem, 0, n, k)
+    assert err == 0 and (uend, rend) == (unary.size, rem.size) and got.tolist() == ranks.tolist()

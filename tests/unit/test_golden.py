@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
+from xcluster.codec import rans
 from xcluster.manifest_object import unpack
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
@@ -144,6 +145,8 @@ def files(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5), (write_v6, GOLDEN_V6),
                                             (write_v7, GOLDEN_V7)], ids=["v2", "v5", "v6", "v7"])
 def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
+    if writer is write_v6 and not rans.compiled():
+        pytest.skip("full-rans is written only with numba's compiled loops (without them: byte planes)")
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
         shutil.rmtree(golden, ignore_errors=True)
         writer(golden)

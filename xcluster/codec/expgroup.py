@@ -89,11 +89,31 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
          stored_k: bool = True) -> list[np.ndarray]:
     """The six stream pieces of one segment (FORMAT.md §5a): ``sparse-exp2`` (``stored_k``) or
     ``sparse-exp``. ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
-    ``ranks`` and ``z`` (zigzag of the change, unsigned of the element's width) in change order."""
+    ``ranks`` and ``z`` (zigzag of the change, unsigned of the element's width) in change order.
+    The Rice codes are written by a compiled loop where there is one, else with numpy: the same
+    bytes."""
     counts = counts.astype(np.uint32)
     present = np.flatnonzero(counts)
     n = counts[present].astype(np.int64)
     k = rice_k(sizes[present], n)
+    count_pieces = split_planes(counts)
+    if stored_k:  # the writer's choice; the size-derived one codes real weights as well as the best of k ± 2
+        kfull = np.zeros(counts.size, dtype=np.uint8)
+        kfull[present] = k
+        count_pieces.append(kfull)
+    coded = exprank.rice_code(ranks, n, k)
+    unary, rem = coded if coded is not None else _rice_numpy(ranks, n, k)
+    one = z.dtype.type(1)
+    sign = (z & one).astype(np.uint8)
+    big = z > z.dtype.type(2)
+    rest = (z[big] >> one) + (z[big] & one) - z.dtype.type(2)
+    return [np.concatenate(count_pieces), unary, rem, _packbits(sign),
+            _packbits(big.view(np.uint8)), np.concatenate(split_planes(rest)) if rest.size else rest.view(np.uint8)]
+
+
+def _rice_numpy(ranks: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The quotient and remainder pieces of ranks in change order (group i: ``n[i]`` ranks, Rice
+    parameter ``k[i]``), with numpy."""
     first = np.zeros(ranks.size, dtype=bool)
     first[np.cumsum(n)[:-1]] = True
     first[:1] = True
@@ -101,11 +121,6 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     prev[1:] = ranks[:-1]
     prev[first] = -1
     gaps = ranks - prev - 1
-    count_pieces = split_planes(counts)
-    if stored_k:  # the writer's choice; the size-derived one codes real weights as well as the best of k ± 2
-        kfull = np.zeros(counts.size, dtype=np.uint8)
-        kfull[present] = k
-        count_pieces.append(kfull)
     kk = np.repeat(k, n)
     q = gaps >> kk
     unary = np.zeros(int(q.sum()) + q.size, dtype=np.uint8)
@@ -117,13 +132,7 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
             lanes = np.arange(kg, dtype=np.int64)
             rem_parts.append(((gaps[s:s + ng_, None] >> lanes) & 1).astype(np.uint8).reshape(-1))
         s += ng_
-    rem_bits = np.concatenate(rem_parts)
-    one = z.dtype.type(1)
-    sign = (z & one).astype(np.uint8)
-    big = z > z.dtype.type(2)
-    rest = (z[big] >> one) + (z[big] & one) - z.dtype.type(2)
-    return [np.concatenate(count_pieces), _packbits(unary), _packbits(rem_bits), _packbits(sign),
-            _packbits(big.view(np.uint8)), np.concatenate(split_planes(rest)) if rest.size else rest.view(np.uint8)]
+    return _packbits(unary), _packbits(np.concatenate(rem_parts))
 
 
 def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str, *, stored_k: bool = True) -> list[np.ndarray]:

@@ -9,7 +9,8 @@ Two implementations give identical results:
 
 - compiled loops (numba, imported lazily; a missing or broken numba falls back): one pass over the
   range's raw bits with four or eight interleaved histograms, so consecutive elements of one group do not
-  wait on each other; the GIL is released, so ranges decode on several cores at once;
+  wait on each other (the encoder histograms the run of unchanged elements before each change with no
+  test inside it); the GIL is released, so ranges decode on several cores at once;
 - numpy: one bitmap per group that holds changes (members packed 64 to a word) with the prefix
   popcounts of its words; one pass over the range per such group.
 
@@ -118,28 +119,31 @@ def _compiled_kernels(cache: bool = True):
     def ranks(bits, pos, shift, mask, ng):
         n = bits.size
         m = pos.size
-        c = np.zeros((4, ng), np.int64)
+        c = np.zeros((4, ng), np.uint32)  # a segment holds < 2**32 elements
         grp = np.empty(m, np.int64)
         rank = np.empty(m, np.int64)
-        j = 0
         i = 0
-        while i < n:
-            if i + 4 <= n and (j >= m or pos[j] >= i + 4):
+        for j in range(m + 1):  # the run of unchanged elements before each change (and the tail)
+            p = pos[j] if j < m else n
+            while i + 4 <= p:
                 c[0, (bits[i] >> shift) & mask] += 1
                 c[1, (bits[i + 1] >> shift) & mask] += 1
                 c[2, (bits[i + 2] >> shift) & mask] += 1
                 c[3, (bits[i + 3] >> shift) & mask] += 1
                 i += 4
-                continue
-            for k in range(i, min(i + 4, n)):  # a quad that holds changes (or the tail)
-                g = (bits[k] >> shift) & mask
-                if j < m and pos[j] == k:
-                    grp[j] = g
-                    rank[j] = c[0, g] + c[1, g] + c[2, g] + c[3, g]
-                    j += 1
+            while i < p:
+                c[0, (bits[i] >> shift) & mask] += 1
+                i += 1
+            if j < m:
+                g = (bits[p] >> shift) & mask
+                grp[j] = g
+                rank[j] = np.int64(c[0, g]) + c[1, g] + c[2, g] + c[3, g]
                 c[0, g] += 1
-            i += 4
-        sizes = c[0] + c[1] + c[2] + c[3]
+                i = p + 1
+        sizes = np.zeros(ng, np.int64)
+        for lane in range(4):
+            for g in range(ng):
+                sizes[g] += c[lane, g]
         return grp, rank, sizes
 
     @njit(**opts)
@@ -254,7 +258,49 @@ def _compiled_kernels(cache: bool = True):
             return out, 0, 0, 6
         return out, (bit + 7) >> 3, rend, 0
 
-    return ranks, sizes, select, rice
+    @njit(**opts)
+    def rice_code(ranks, n, k):
+        ubits = np.int64(0)
+        rbits = np.int64(0)
+        j = 0
+        for g in range(n.size):
+            kg = k[g]
+            prev = np.int64(-1)
+            for _ in range(n[g]):
+                ubits += ((ranks[j] - prev - 1) >> kg) + 1
+                prev = ranks[j]
+                j += 1
+            rbits += n[g] * kg
+        unary = np.zeros((ubits + 7) >> 3, np.uint8)
+        rem = np.zeros((rbits + 7) >> 3, np.uint8)
+        bit = np.int64(0)
+        at = 0
+        buf = np.int64(0)
+        nbuf = 0  # bits in buf (LSB first), at most 7 + 31
+        j = 0
+        for g in range(n.size):
+            kg = k[g]
+            kmask = (np.int64(1) << kg) - 1
+            prev = np.int64(-1)
+            for _ in range(n[g]):
+                gap = ranks[j] - prev - 1
+                prev = ranks[j]
+                j += 1
+                bit += gap >> kg  # the quotient's zero bits, then a one bit
+                unary[bit >> 3] |= np.uint8(1) << np.uint8(bit & 7)
+                bit += 1
+                buf |= (gap & kmask) << nbuf
+                nbuf += kg
+                while nbuf >= 8:
+                    rem[at] = np.uint8(buf & 0xFF)
+                    at += 1
+                    buf >>= 8
+                    nbuf -= 8
+        if nbuf > 0:
+            rem[at] = np.uint8(buf & 0xFF)
+        return unary, rem
+
+    return ranks, sizes, select, rice, rice_code
 
 
 @functools.cache
@@ -326,6 +372,17 @@ def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: 
     if kern is None:
         return None
     return kern[3](unary, ustart, rem, rstart, np.ascontiguousarray(n, dtype=np.int64),
+                   np.ascontiguousarray(k, dtype=np.int64))
+
+
+def rice_code(ranks_: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Compiled Rice coding of one ``sparse-exp`` segment's ranks (change order; group i: the next
+    ``n[i]`` ranks, parameter ``k[i]``): its quotient and remainder pieces, the bytes
+    :func:`expgroup.pack`'s numpy code writes; None without the compiled kernels."""
+    kern = _kernels()
+    if kern is None:
+        return None
+    return kern[4](np.ascontiguousarray(ranks_, dtype=np.int64), np.ascontiguousarray(n, dtype=np.int64),
                    np.ascontiguousarray(k, dtype=np.int64))
 
 
