@@ -42,3 +42,42 @@ def test_planes_roundtrip():
     assert len(planes) == 4 and all(p.dtype == np.uint8 for p in planes)
     np.testing.assert_array_equal(planes[0], (v & 0xFF).astype(np.uint8))
     np.testing.assert_array_equal(join_planes(planes, np.uint32), v)
+
+
+def test_compressors_kept_per_thread_write_what_a_new_one_writes():
+    """streams.compress keeps one zstd compressor per thread and level: frames made on two threads
+    at once, at two levels, in turn with failed ones, are each what a fresh compressor makes."""
+    import threading
+
+    import zstandard
+
+    from xcluster.codec import streams
+
+    rng = np.random.default_rng(0)
+    inputs = [rng.integers(0, 1 << int(rng.integers(1, 8)), int(rng.integers(1, 20000)), dtype=np.uint8)
+              for _ in range(40)]
+    want = {(i, lvl): zstandard.ZstdCompressor(level=lvl, write_content_size=True).compress(x.tobytes())
+            for i, x in enumerate(inputs) for lvl in (1, 3)}
+    got: dict[tuple[int, int], bytes] = {}
+    errors: list[BaseException] = []
+
+    def work(offset: int) -> None:
+        try:
+            for j in range(len(inputs)):
+                i = (j + offset) % len(inputs)
+                for lvl in (1, 3):
+                    with pytest.raises(ValueError):  # a frame abandoned midway (a strided piece)
+                        streams.compress([inputs[i], np.zeros(64, dtype=np.uint8)[::2]], level=lvl)
+                    codec, payload = streams.compress([inputs[i][:7], inputs[i][7:]], level=lvl)
+                    got[i, lvl] = payload if codec == streams.ZSTD else None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k * 13,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for key, frame in want.items():
+        assert got[key] == (frame if len(frame) < inputs[key[0]].nbytes else None)

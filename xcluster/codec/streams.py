@@ -8,6 +8,7 @@ A stream is decoded whole (:func:`decompress`), or read front to back a piece at
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,12 +22,24 @@ RAW = "raw"
 CODECS = (ZSTD, RAW)
 
 
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level``: made once, since making one costs more than
+    compressing a small piece (a compressor serves one frame at a time: one per thread)."""
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
 def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -> tuple[str, bytes]:
     """Compress the concatenation of ``pieces`` into one stream; returns ``(codec, payload)``."""
     total = sum(len(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.nbytes for p in pieces)
     if total == 0:
         return RAW, b""
-    cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=total)
+    cobj = _compressor(level).compressobj(size=total)
     out = [cobj.compress(p) for p in pieces]
     out.append(cobj.flush())
     payload = b"".join(out)
