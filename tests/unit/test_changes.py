@@ -81,3 +81,25 @@ def test_compressors_kept_per_thread_write_what_a_new_one_writes():
     assert not errors
     for key, frame in want.items():
         assert got[key] == (frame if len(frame) < inputs[key[0]].nbytes else None)
+
+
+@pytest.mark.parametrize("level", [1, 3, 19])
+def test_content_of_up_to_min_frame_bytes_never_compresses(level):
+    """streams.compress stores content of at most MIN_FRAME bytes raw without trying zstd: no
+    zstd frame of such content is smaller (RFC 8878), checked here over every length and kinds of
+    content, so skipping the attempt writes the bytes trying would."""
+    import zstandard
+
+    from xcluster.codec import streams
+
+    rng = np.random.default_rng(level)
+    z = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    for n in range(1, 3 * streams.MIN_FRAME):
+        for x in (bytes(n), b"\x07" * n, rng.integers(0, 2, n, dtype=np.uint8).tobytes(),
+                  rng.integers(0, 256, n, dtype=np.uint8).tobytes()):
+            frame = z.compress(x)
+            assert len(frame) >= streams.MIN_FRAME or n > streams.MIN_FRAME
+            want = (streams.ZSTD, frame) if len(frame) < n else (streams.RAW, x)
+            piece = np.frombuffer(x, dtype=np.uint8)
+            assert streams.compress([piece], level=level) == want
+            assert streams.stored_size([piece[:3], piece[3:]], level=level) == len(want[1])

@@ -6,6 +6,7 @@ upload while the rest is still being encoded; nothing here does I/O.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,6 +130,10 @@ class EncodedVersion:
     chunks: list[ChunkEntry]
     changed_elements: int
     update: BaseUpdate
+
+
+WINDOW_RANGES = 64
+"""Ranges scanned ahead of the one being packed, at most (see :func:`scan_version`)."""
 
 
 def _range_len(width: int, block_bytes: int) -> int:
@@ -363,7 +368,7 @@ def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tu
 
 def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None = None) -> int:
     """Bytes ``pieces`` take stored, each compressed on its own (zstd, or raw where that is smaller)."""
-    return sum(len(streams.compress([p], level=level or config.zstd_level)[1]) for p in pieces)
+    return sum(streams.stored_size([p], level=level or config.zstd_level) for p in pieces)
 
 
 def _smaller(v1: list[np.ndarray], v2: list[np.ndarray], config: CodecConfig) -> tuple[str, list[np.ndarray]]:
@@ -381,32 +386,44 @@ def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tenso
     """The ranges of ``new`` (sorted by name, then position) that carry something against ``base``
     (None: a keyframe), scanned on a pool of ``config.workers`` threads a bounded window ahead and
     yielded in order, so the output does not depend on timing. Tensors that are new, or whose
-    dtype or shape changed, are carried whole (planes)."""
+    dtype or shape changed, are carried whole (planes).
+
+    The window is what ``2 × workers`` ranges of ``block_bytes`` hold (at most
+    :data:`WINDOW_RANGES` ranges): many small ranges are scanned while a large one is, so a
+    large tensor among small ones does not leave the other workers idle."""
     ranges: list[_Range] = []
     for t_idx, name in enumerate(sorted(new)):
         t = new[name]
         full = not _same(t, base.get(name) if base is not None else None)
         rlen = _range_len(t.element_size(), config.block_bytes)
         ranges.extend(_Range(t_idx, name, s, min(s + rlen, t.numel()), full) for s in range(0, t.numel(), rlen))
-    window = 2 * config.workers
+    budget = 2 * config.workers * config.block_bytes
+    sizes = [(r.end - r.start) * new[r.name].element_size() for r in ranges]
     with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xc-scan") as pool:
-        def submit(r: _Range) -> Future:
-            old = None if r.full or base is None else base[r.name]
-            return pool.submit(_encode_range, r, new[r.name], old, config)
+        queue: deque[Future] = deque()
+        held = 0  # bytes of the ranges in the queue
+        nxt = 0
 
-        queue = [submit(r) for r in ranges[:window]]
+        def fill() -> None:
+            nonlocal held, nxt
+            while nxt < len(ranges) and len(queue) < WINDOW_RANGES and (not queue or held + sizes[nxt] <= budget):
+                r = ranges[nxt]
+                old = None if r.full or base is None else base[r.name]
+                queue.append(pool.submit(_encode_range, r, new[r.name], old, config))
+                held += sizes[nxt]
+                nxt += 1
+
         try:
             for i in range(len(ranges)):
-                out = queue[i].result()
-                queue[i] = None  # type: ignore[call-overload]  # drop the reference: bounded memory
-                if i + window < len(ranges):
-                    queue.append(submit(ranges[i + window]))
+                fill()
+                out = queue.popleft().result()  # and drop the reference: bounded memory
+                held -= sizes[i]
+                fill()
                 if out is not None:
                     yield out
         finally:
             for f in queue:
-                if f is not None:
-                    f.cancel()
+                f.cancel()
 
 
 def encode_version(new: Mapping[str, torch.Tensor],

@@ -22,6 +22,11 @@ RAW = "raw"
 CODECS = (ZSTD, RAW)
 
 
+MIN_FRAME = 10
+"""Bytes of the smallest zstd frame holding any content (RFC 8878: 4 magic, a 1-byte frame header
+descriptor, a 1-byte content size, a 3-byte block header and at least 1 byte of block), so content
+of at most this many bytes is stored raw without trying."""
+
 _local = threading.local()
 
 
@@ -37,16 +42,28 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -> tuple[str, bytes]:
     """Compress the concatenation of ``pieces`` into one stream; returns ``(codec, payload)``."""
     total = sum(len(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.nbytes for p in pieces)
-    if total == 0:
-        return RAW, b""
+    if total <= MIN_FRAME:  # zstd cannot make it smaller: no need to try
+        return RAW, _joined(pieces)
     cobj = _compressor(level).compressobj(size=total)
     out = [cobj.compress(p) for p in pieces]
     out.append(cobj.flush())
     payload = b"".join(out)
     if len(payload) >= total:
-        return RAW, b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.tobytes()
-                             for p in pieces)
+        return RAW, _joined(pieces)
     return ZSTD, payload
+
+
+def stored_size(pieces: Sequence[np.ndarray], *, level: int) -> int:
+    """The bytes :func:`compress` would store ``pieces`` in (without making the raw copy)."""
+    total = sum(p.nbytes for p in pieces)
+    if total <= MIN_FRAME:
+        return total
+    cobj = _compressor(level).compressobj(size=total)
+    return min(total, sum(len(cobj.compress(p)) for p in pieces) + len(cobj.flush()))
+
+
+def _joined(pieces: Sequence[np.ndarray | bytes | memoryview]) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.tobytes() for p in pieces)
 
 
 def _checked(codec: str, payload: bytes | memoryview, raw_len: int, *, where: str) -> bool:
