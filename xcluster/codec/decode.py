@@ -25,6 +25,7 @@ from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_EXP, FULL_RANS, GAP_WIDTH, 
                       TensorEntry)
 from . import expgroup, fullexp, rans, streams
 from .changes import unzigzag
+from .scatter import scatter_add
 
 PIECE = 1 << 18
 """Changed elements expanded to int64 positions (and unzigzagged) at a time."""
@@ -193,7 +194,7 @@ def fill(target: torch.Tensor, op: Fill) -> None:
 def patch(target: torch.Tensor, op: Patch | Scatter, *, undo: bool = False) -> None:
     bits = np_bits(target)
     if isinstance(op, Scatter):
-        bits[op.positions] = bits[op.positions] - op.diff if undo else bits[op.positions] + op.diff
+        scatter_add(bits, op.positions, op.diff, subtract=undo)
         return
     if op.gaps is None:
         view = bits[op.start:op.start + op.diff.size]
@@ -209,5 +210,4 @@ def patch(target: torch.Tensor, op: Patch | Scatter, *, undo: bool = False) -> N
         pos = np.cumsum(op.gaps[s:s + PIECE] + np.uint32(1), dtype=np.int64)
         pos += last
         last = int(pos[-1])
-        d = op.diff[s:s + PIECE]
-        bits[pos] = bits[pos] - d if undo else bits[pos] + d
+        scatter_add(bits, pos, op.diff[s:s + PIECE], subtract=undo)
