@@ -55,8 +55,8 @@ class CodecConfig:
     """Write a sparse range as ``sparse-exp2`` (positions coded per exponent group of the base,
     FORMAT.md §5a) where that is smaller than ``sparse-sub``, for bf16, fp16, fp32 and fp8 tensors:
     about 40% fewer bytes per delta on real weights (bench/codec.py --v2 --real). Encoding runs at
-    0.5-0.65× and applying at 0.4-0.5× the speed of ``sparse-sub`` (with numba's compiled
-    loops, 1% changed, 2 cores: 1.4-1.6 GB/s and 1.6-2.3 GB/s of model bytes on a 67 MB
+    0.45-0.65× and applying at 0.35-0.5× the speed of ``sparse-sub`` (with numba's compiled
+    loops, 1% changed, 2 cores: 1.1-1.6 GB/s and 1.6-2.3 GB/s of model bytes on a 67 MB
     transformer-shaped model, 0.5-0.6 and 0.8-1.0 GB/s on the 45 MB real one, whose 64 tiny
     tensors cost a fixed ~0.3 ms each; applying is one pass over the base's bits per range, at
     about 1 ns per element; numpy alone is several times slower). Opt-in because a manifest with
