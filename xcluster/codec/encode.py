@@ -417,8 +417,8 @@ def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tenso
                 nxt += 1
 
         try:
+            fill()
             for i in range(len(ranges)):
-                fill()
                 out = queue.popleft().result()  # and drop the reference: bounded memory
                 held -= sizes[i]
                 fill()

@@ -42,13 +42,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -> tuple[str, bytes]:
     """Compress the concatenation of ``pieces`` into one stream; returns ``(codec, payload)``."""
     total = sum(len(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.nbytes for p in pieces)
-    if total <= MIN_FRAME:  # zstd cannot make it smaller: no need to try
-        return RAW, _joined(pieces)
-    cobj = _compressor(level).compressobj(size=total)
-    out = [cobj.compress(p) for p in pieces]
-    out.append(cobj.flush())
-    payload = b"".join(out)
-    if len(payload) >= total:
+    payload = _frame(pieces, total, level)
+    if payload is None or len(payload) >= total:
         return RAW, _joined(pieces)
     return ZSTD, payload
 
@@ -56,10 +51,19 @@ def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -
 def stored_size(pieces: Sequence[np.ndarray], *, level: int) -> int:
     """The bytes :func:`compress` would store ``pieces`` in (without making the raw copy)."""
     total = sum(p.nbytes for p in pieces)
+    payload = _frame(pieces, total, level)
+    return total if payload is None else min(total, len(payload))
+
+
+def _frame(pieces: Sequence[np.ndarray | bytes | memoryview], total: int, level: int) -> bytes | None:
+    """One zstd frame of the ``total`` bytes of ``pieces``; None where no frame can be smaller
+    than them (at most :data:`MIN_FRAME` bytes), without trying."""
     if total <= MIN_FRAME:
-        return total
+        return None
     cobj = _compressor(level).compressobj(size=total)
-    return min(total, sum(len(cobj.compress(p)) for p in pieces) + len(cobj.flush()))
+    out = [cobj.compress(p) for p in pieces]
+    out.append(cobj.flush())
+    return b"".join(out)
 
 
 def _joined(pieces: Sequence[np.ndarray | bytes | memoryview]) -> bytes:
