@@ -325,12 +325,22 @@ class _Proc:
         self.proc: subprocess.Popen | None = None
         self.restart_at: float | None = None
         self.kills = 0
+        self.log_mark = 0  # the log's size at the last start
 
     def start(self) -> None:
         with open(self.logpath, "ab") as logf:
+            self.log_mark = logf.tell()
             self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdin=subprocess.DEVNULL,
                                          stdout=logf, stderr=subprocess.STDOUT)
         self.restart_at = None
+
+    def following(self) -> bool:
+        """Has the daemon started since the last start (its signal handlers are installed before
+        its loop logs anything from ``xcluster.daemon`` or ``xcluster.subscriber``)?"""
+        with open(self.logpath, "rb") as f:
+            f.seek(self.log_mark)
+            tail = f.read()
+        return b'"logger": "xcluster.daemon"' in tail or b'"logger": "xcluster.subscriber"' in tail
 
     @property
     def alive(self) -> bool:
@@ -496,9 +506,14 @@ class Soak:
             rc = self.publisher.stop(timeout=120)
             if rc not in (0, -signal.SIGTERM):  # -SIGTERM: it was still starting, before its handler
                 self.report.problems.append(f"the trainer exited {rc} on SIGTERM (see {self.publisher.logpath})")
-        for s in self.subs:
-            if not s.alive:
-                s.start()
+        restarted = [s for s in self.subs if not s.alive]
+        for s in restarted:
+            s.start()
+        # a daemon stopped while still starting dies of SIGTERM before its handler is installed:
+        # let the ones just restarted reach their loop (the fleet may already show HEAD on disk)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(s.following() or not s.alive for s in restarted):
+            time.sleep(0.1)
 
     def _away(self) -> _Proc | None:
         o = self.report.offline
