@@ -157,12 +157,23 @@ def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool
     return chain
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The links from a base (excluded) up to a target, oldest first, and the manifest of the
+    oldest, read last while walking: it is applied first, so it is used as read (no second GET)."""
+
+    links: list[Link]
+    oldest: LinkedManifest
+
+
 def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
                check: Callable[[LinkedManifest], None] | None = None, max_chain: int = MAX_CHAIN,
                max_bytes: int | None = None, refused: dict[tuple[int, str], XclusterError] | None = None,
-               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> list[Link]:
-    """Like :func:`walk_back`, but returns only the links, oldest first, holding one parsed
-    manifest at a time (the caller reads each again, hash-checked, when it uses it).
+               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> Plan:
+    """Like :func:`walk_back`, but holding one parsed manifest at a time: returns the links,
+    oldest first, and the parsed manifest of only the oldest (the last one read, and the first
+    the caller applies); the caller reads each later one again, hash-checked, when it uses it.
+    Catching up one version (the usual case) therefore reads its manifest once.
 
     ``check`` runs on every manifest (a reader's own limits). ``max_bytes`` bounds the manifest
     bytes read (:class:`ResourceLimitError` beyond). ``refused`` remembers, by (version, manifest
@@ -207,7 +218,7 @@ def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], boo
         cur = Link.base_of(lm.manifest)
         del lm  # one parsed manifest at a time
     links.reverse()
-    return links
+    return Plan(links, lm)
 
 
 def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CHAIN,

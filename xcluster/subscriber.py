@@ -327,9 +327,13 @@ class Subscriber:
             plan = walk_links(self.store, target, stop=reaches_held, check=check,
                               max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
                               retries=cfg.integrity_retries, on_retry=count_retry)
-            for link in plan:  # read again, hash-checked: only one parsed manifest is held at a time
-                self._apply(read_manifest(self.store, link, retries=cfg.integrity_retries, on_retry=count_retry),
-                            head)
+            first: LinkedManifest | None = plan.oldest
+            for link in plan.links:  # later ones read again, hash-checked: one parsed manifest held at a time
+                lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
+                                                                   on_retry=count_retry)
+                first = None
+                self._apply(lm, head)
+                del lm
             return self.version
 
     # --- trust ----------------------------------------------------------------------------------

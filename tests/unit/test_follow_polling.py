@@ -1,7 +1,10 @@
-"""What the daemon costs the store: one conditional GET of HEAD per poll (docs/DAEMON.md §1).
+"""What the daemon costs the store: one conditional GET of HEAD per poll (docs/DAEMON.md §1), and
+one GET of each new version's manifest when it is one version behind.
 
 Found by bench/load.py: each loop polled HEAD twice (once in the daemon, once more inside
-``Subscriber.sync``), doubling the idle cost of a fleet."""
+``Subscriber.sync``), doubling the idle cost of a fleet. Found later by profiling a sync: the
+manifest of the next version was read (and hashed and parsed) twice, once to plan the chain and
+once to apply it — a second round trip per version over a WAN."""
 
 from __future__ import annotations
 
@@ -19,10 +22,16 @@ class CountingStore(LocalStore):
     def __init__(self, root) -> None:
         super().__init__(root, fsync=False)
         self.gets: Counter[str] = Counter()
+        self.manifest_reads: Counter[str] = Counter()
 
     def get(self, key, *, if_none_match=None):
         self.gets[key] += 1
         return super().get(key, if_none_match=if_none_match)
+
+    def get_range(self, key, start, length):
+        if "/manifest" in key:
+            self.manifest_reads[key.split("/")[1]] += 1
+        return super().get_range(key, start, length)
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -47,3 +56,26 @@ def test_each_daemon_loop_reads_head_once_idle_or_not(tmp_path):
     pub.publish(weights(2))
     assert d.step() and d.state.version == 3
     assert store.gets[HEAD_KEY] == 7
+
+
+def test_a_new_version_s_manifest_is_read_once_and_a_longer_plan_rereads_only_the_later_ones(tmp_path):
+    store = CountingStore(tmp_path / "store")
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=8))
+    pub.publish(weights(0))
+    d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", lease_every_s=0))
+    d.resume()
+    assert d.step() and d.state.version == 1
+    assert dict(store.manifest_reads) == {"000000000001": 1}
+    pub.publish(weights(1))
+    store.manifest_reads.clear()
+    assert d.step() and d.state.version == 2
+    assert dict(store.manifest_reads) == {"000000000002": 1}
+    results = {s + 1: pub.publish(weights(s)) for s in (2, 3, 4)}
+    plan = [5]  # what the walk reads, newest first: back to a keyframe or to the held version's child
+    while results[plan[-1]].kind != "keyframe" and results[plan[-1]].base_version != 2:
+        plan.append(results[plan[-1]].base_version)
+    assert len(plan) >= 2  # the byte-based keyframe policy keeps at least 5 a delta
+    store.manifest_reads.clear()
+    assert d.step() and d.state.version == 5
+    # the oldest of the plan is applied as the walk read it; the later ones are read again
+    assert dict(store.manifest_reads) == {f"{v:012d}": 1 if v == plan[-1] else 2 for v in plan}
