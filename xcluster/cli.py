@@ -134,7 +134,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
         subscriber=SubscriberConfig(fetch_workers=args.fetch_workers, trusted_keys=tuple(args.trust),
                                     run_id=args.run_id, max_staleness_s=args.max_staleness),
         notify=notify_socket is not None, notify_socket=notify_socket,
-        progress=sys.stderr.isatty() and not args.no_progress)
+        progress=sys.stderr.isatty() and not args.no_progress, warm_up=not args.no_warm_up)
     metrics = DaemonMetrics()
     server = metrics.serve(args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
     daemon = Daemon(args.url, config=config, handoff=handoff, metrics=metrics)
@@ -180,6 +180,9 @@ def _add_subscribe(sub) -> None:
     p.add_argument("--log-format", choices=["plain", "json"], default="plain")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="do not load the codec's compiled loops in the background at start (they load on first "
+                        "use, adding about a second to the first delta)")
     p.set_defaults(func=cmd_subscribe)
 
 

@@ -20,12 +20,11 @@ Pure: numpy arrays in, numpy arrays out. ``positions`` and ``ranks`` are int64, 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 
-from .jit import NO_COMPILE_ENV
+from .jit import NO_COMPILE_ENV, once
 
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
@@ -303,7 +302,7 @@ def _compiled_kernels(cache: bool = True):
     return ranks, sizes, select, rice, rice_code
 
 
-@functools.cache
+@once
 def _kernels():
     """The compiled kernels, or None (numba missing or broken, or turned off)."""
     if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):

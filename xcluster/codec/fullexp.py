@@ -20,7 +20,6 @@ Pure: numpy arrays in, numpy arrays out.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
@@ -221,7 +220,7 @@ def _smoke(loops) -> None:
         raise RuntimeError("full-exp loops disagree")
 
 
-@functools.cache
+@jit.once
 def _kernels():
     return jit.compile_loops(lambda c: tuple(map(c, (_hist, _symbols, _escapes, _pack, _join))), _smoke)
 

@@ -7,9 +7,13 @@ turned off with ``XCLUSTER_NO_NUMBA=1``.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
 """Set to 1 to run the fallbacks instead of compiled loops (the same results, slower)."""
@@ -34,3 +38,19 @@ def compile_loops(build: Callable[[Callable], Any], smoke: Callable[[Any], None]
         except Exception:
             continue
     return None
+
+
+def once(build: Callable[[], T]) -> Callable[[], T]:
+    """``build`` run once, its result kept (like ``functools.cache``), and callers that come while
+    it runs wait for that result instead of compiling a second time: the follow daemon warms the
+    loops up on a thread of its own while its first version may already be decoding."""
+    lock = threading.Lock()
+    cached = functools.cache(build)
+
+    @functools.wraps(build)
+    def get() -> T:
+        with lock:
+            return cached()
+
+    get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]  # tests switch numba off and on
+    return get

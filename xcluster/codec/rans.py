@@ -335,7 +335,7 @@ _PYTHON = (_prepare, _encode_lanes, _make_decode(_groups), _fill_table)
 """The loops run by Python (no numba)."""
 
 
-@functools.cache
+@jit.once
 def _kernels():
     """``(prepare, encode, decode, fill_table)`` compiled, or None (see :mod:`.jit`)."""
     return jit.compile_loops(lambda c: (c(_prepare), c(_encode_lanes), c(_make_decode(c(_groups))), c(_fill_table)),

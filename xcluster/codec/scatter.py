@@ -8,7 +8,6 @@ of patching a delta. Without numba the numpy expression gives the same result.
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
@@ -35,7 +34,7 @@ def _smoke(loops) -> None:
         raise RuntimeError("scatter loops disagree with wrapping arithmetic")
 
 
-@functools.cache
+@jit.once
 def _kernels():
     return jit.compile_loops(lambda c: (c(_add), c(_subtract)), _smoke)
 

@@ -80,6 +80,10 @@ class DaemonConfig:
     """``$NOTIFY_SOCKET`` as systemd set it (the CLI passes it in)."""
     progress: bool = False
     """Show a progress bar for large fetches (the CLI turns it on when stderr is a terminal)."""
+    warm_up: bool = True
+    """Load the codec's compiled loops on a background thread as ``run()`` starts
+    (``codec/warm.py``), so the first delta after a start does not wait about 0.9 s for them (not
+    with ``once``: that run applies at once, loading what it needs)."""
 
     def __post_init__(self) -> None:
         if not self.poll_s > 0:
@@ -156,6 +160,18 @@ class Daemon:
 
     def run(self) -> int:
         """Follow until stopped (or once, with ``once``); returns the process exit code."""
+        if not self.config.warm_up or self.config.once:
+            return self._loop()
+        done = threading.Event()  # set as run() ends, however it ends
+        warm = threading.Thread(target=_warm_up, args=(done,), name="xc-warm-up", daemon=True)
+        warm.start()
+        try:
+            return self._loop()
+        finally:  # it stops after its current step: a process that exits while numba compiles aborts
+            done.set()
+            warm.join()
+
+    def _loop(self) -> int:
         self.resume()
         while not self._stop.is_set():
             ok = self.step()
@@ -427,3 +443,15 @@ class Daemon:
 
 def _seconds(unix_ms: int | None) -> float | None:
     return None if unix_ms is None else unix_ms / 1000
+
+
+def _warm_up(stop: threading.Event) -> None:
+    """Load the codec's compiled loops (a failure costs only the time it was meant to save)."""
+    t0 = time.monotonic()
+    try:
+        from ..codec.warm import warm_up
+        warm_up(stop)
+    except Exception as exc:  # noqa: BLE001 - the loops load on first use instead
+        log.warning("warming up the codec's compiled loops failed (%s): they load when first used", exc)
+        return
+    log.debug("codec loops warmed up in %.2fs", time.monotonic() - t0)
