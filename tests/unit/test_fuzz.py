@@ -307,6 +307,21 @@ def mutated_block(draw, version: int, encoding: str):
     return json.dumps(obj).encode(), chunks, bi
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled_loops_loaded():
+    """The patch loops compiled (or loaded from numba's cache) for every width a mutated block can
+    declare before any example runs: compiling inside tracemalloc's window would count the
+    compiler's memory against the decoder (whether it happens there depended on which tests ran
+    earlier in the process)."""
+    import numpy as np
+
+    from xcluster.codec.scatter import scatter_add
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        bits = np.zeros(4, dtype=dt)
+        for subtract in (False, True):
+            scatter_add(bits, np.array([1], dtype=np.int64), np.array([1], dtype=dt), subtract=subtract)
+
+
 def decode_and_apply(mbytes: bytes, chunks: list[bytes], bi: int) -> None:
     m = parse_manifest(mbytes)
     b = m.blocks[bi]
