@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -537,6 +537,9 @@ class Subscriber:
         patches = [bi for bi, b in enumerate(m.blocks) if b.encoding not in FILL_ENCODINGS]
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
+        # a tensor is hashed by the worker that patches its last block, while others still decode
+        pending = Counter(i for bi in patches for i in {s.tensor for s in m.blocks[bi].segments})
+        early: dict[int, str] = {}
 
         def run_block(bi: int) -> None:
             b = m.blocks[bi]
@@ -549,6 +552,14 @@ class Subscriber:
                     patch(tgt, op)
                     with plock:
                         applied.append((tgt, op))
+            with plock:
+                done = []
+                for i in {s.tensor for s in b.segments}:
+                    pending[i] -= 1
+                    if pending[i] == 0:
+                        done.append(i)
+            for i in done:
+                early[i] = entry_digest(target[i], m.tensors[i].parts)
 
         ok = False
         with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
@@ -561,7 +572,10 @@ class Subscriber:
                 # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
                 idx = sorted(touched | {i for i, t in enumerate(m.tensors)
                                         if t.init != INIT_BASE or digests.get(t.name) != t.digest})
-                hashed = _run_all(pool, lambda k: entry_digest(target[idx[k]], m.tensors[idx[k]].parts), len(idx))
+                rest = [i for i in idx if i not in early]
+                late = dict(zip(rest, _run_all(pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts),
+                                               len(rest))))
+                hashed = [early[i] if i in early else late[i] for i in idx]
                 for i, got in zip(idx, hashed):
                     if got != m.tensors[i].digest:
                         changed = "after applying" if i in touched or m.tensors[i].init != INIT_BASE else \

@@ -253,3 +253,48 @@ def test_a_keyframe_is_applied_chunk_by_chunk_with_bounded_chunks_in_memory(tmp_
     assert sub.sync() == 1
     assert_state_equal(sub.state_dict(), sd)
     assert 1 <= peak[0] <= 4, f"{peak[0]} of {chunks} chunks were held at once"
+
+
+def test_tensors_are_hashed_as_their_last_block_lands_and_one_split_over_many_blocks_only_then(tmp_path,
+                                                                                             monkeypatch):
+    """A tensor is hashed by the worker that patches its last block, while the others still decode
+    (so the hashing overlaps decoding); one spread over sixteen blocks is hashed once all sixteen
+    are applied, whichever worker applies which."""
+    import xcluster.subscriber as sub_mod
+    from xcluster.codec.encode import CodecConfig
+
+    g = torch.Generator().manual_seed(0)
+    state = {"big": (torch.randn(64, 1024, generator=g) * 0.02).to(torch.bfloat16),  # 16 ranges of 4096
+             "small": (torch.randn(512, generator=g) * 0.02).to(torch.bfloat16)}
+    store = LocalStore(tmp_path / "s", fsync=False)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=8192)))
+    sub = Subscriber(store=store, config=SubscriberConfig(decode_workers=2))
+    pub.publish(state)
+    sub.sync()
+    decoded: list[int] = []  # the tensors (0: big, 1: small) of each block decoded so far
+    hashed: list[tuple[int, int]] = []  # (elements hashed, blocks of "big" decoded by then)
+    real_decode, real_digest = sub_mod.decode_block, sub_mod.entry_digest
+
+    def decode(*a, **kw):
+        ops = real_decode(*a, **kw)
+        decoded.extend(sorted({s.tensor for s in a[0].segments}))
+        return ops
+
+    def digest(t, parts):
+        hashed.append((t.numel(), decoded.count(0)))
+        return real_digest(t, parts)
+
+    monkeypatch.setattr(sub_mod, "decode_block", decode)
+    monkeypatch.setattr(sub_mod, "entry_digest", digest)
+    for step in range(1, 4):  # dense changes: every range of "big" is a block of its own
+        bits = state["big"].view(torch.int16).view(-1)
+        bits[step % 2::2] += 1
+        state["small"].view(torch.int16)[:: 3] -= 1
+        res = pub.publish(state)
+        decoded.clear()
+        hashed.clear()
+        assert sub.sync() == res.version
+        assert_state_equal(sub.state_dict(), state)
+        assert decoded.count(0) == 16
+        assert sorted(n for n, _ in hashed) == [512, 64 * 1024]  # each once
+        assert dict(hashed)[64 * 1024] == 16  # "big": only after all of its blocks
