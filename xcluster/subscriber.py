@@ -327,8 +327,9 @@ class Subscriber:
             plan = walk_links(self.store, target, stop=reaches_held, check=check,
                               max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
                               retries=cfg.integrity_retries, on_retry=count_retry)
-            first: LinkedManifest | None = plan.oldest
-            for link in plan.links:  # later ones read again, hash-checked: one parsed manifest held at a time
+            links, first = plan.links, plan.oldest
+            del plan  # the oldest is dropped once applied, like the ones read again after it
+            for link in links:  # later ones read again, hash-checked: one parsed manifest held at a time
                 lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
                                                                    on_retry=count_retry)
                 first = None
