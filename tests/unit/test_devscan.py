@@ -21,7 +21,7 @@ from xcluster.dtypes import UINT, dtype_name, np_bits
 from xcluster.errors import ConfigError, StoreError
 from tests.unit.helpers import assert_state_equal, memory_store
 from tests.unit.test_commit_protocol import FailingStore
-from tests.unit.test_roundtrip import perturb, random_tensor
+from tests.unit.test_roundtrip import perturb, random_tensor, ulp_steps
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -86,6 +86,11 @@ def case(dt: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict[str,
     new["unaligned"] = _unaligned(perturb(old["unaligned"], 0.01, gen))
     old["unaligned"] = _unaligned(random_tensor(dt, (2001,), gen))
     new["unaligned"] = _unaligned(perturb(old["unaligned"], 0.01, gen))
+    # trained-weight-like values moved by an ulp or so, 2% of them (~80 changes a range): where
+    # the exponent groups pay, so float dtypes get sparse-exp2 ranges
+    if dt.is_floating_point:
+        old["weights"] = (torch.randn(12000, generator=gen) * 0.02).to(dt)
+        new["weights"] = ulp_steps(old["weights"], 0.02, gen)
     return old, new
 
 

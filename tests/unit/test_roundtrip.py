@@ -19,7 +19,7 @@ from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_
 from xcluster.codec import encode
 from xcluster.codec.changes import unzigzag
 from xcluster.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
-from xcluster.format import SPARSE_EXP, SPARSE_EXP2
+from xcluster.format import SPARSE_EXP, SPARSE_EXP2, SPARSE_SUB
 from tests.unit.helpers import assert_state_equal, memory_store
 
 ALL_DTYPES = sorted(DTYPE_NAMES)
@@ -196,7 +196,8 @@ def writes(encoding: str):
 def always_exp(encoding: str):
     """Write ``encoding`` for every eligible sparse range, smaller or not (so the property test
     reaches its decoder on every shape)."""
-    with writes(encoding), mock.patch.object(encode, "_smaller", lambda v1, v2, cfg: (encoding, v2)):
+    with writes(encoding), mock.patch.object(encode, "_smaller", lambda v1, v2, cfg: (encoding, v2)), \
+            mock.patch.object(encode, "EXP_MIN_CHANGES", 1):
         yield
 
 
@@ -246,7 +247,7 @@ def test_sparse_exp_is_chosen_and_late_joiners_agree(encoding):
             assert m.schema_version == EXP_SCHEMAS[encoding]
             assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == encoding
                     for s in b.segments} == {"bfloat16", "float16", "float32"}
-        cur = {k: ulp_steps(v, 0.01, gen) for k, v in cur.items()}
+        cur = {k: ulp_steps(v, 0.02, gen) for k, v in cur.items()}  # ≥ EXP_MIN_CHANGES in each range of 4096
     assert len(joiners) == 3
 
 
@@ -318,3 +319,25 @@ def test_sparse_exp_streams_are_checked(stored_k):
             out[p2] += unzigzag(z2)
             assert not np.array_equal(out, nb) or (np.sort(p2) == pos).all()  # changed bytes, changed weights
     assert caught > 0
+
+
+def test_ranges_with_few_changes_stay_sparse_sub_without_a_sparse_exp_trial():
+    """Below EXP_MIN_CHANGES changes a range is written sparse-sub and sparse-exp is not even built
+    (its side information outweighs its gain there, and the trial costs more than the range)."""
+    gen = torch.Generator().manual_seed(11)
+    old = (torch.randn(16384, generator=gen) * 0.02).to(torch.bfloat16)
+    cfg = CodecConfig(exp_groups=True)
+    for n, want in ((encode.EXP_MIN_CHANGES - 1, SPARSE_SUB), (encode.EXP_MIN_CHANGES, SPARSE_EXP2)):
+        new = old.clone()
+        flat_bits(new)[torch.randperm(old.numel(), generator=gen)[:n]] += 1
+        built: list[int] = []
+        real_build = encode.expgroup.build
+
+        def build(*a, **kw):
+            built.append(1)
+            return real_build(*a, **kw)
+
+        with mock.patch.object(encode.expgroup, "build", build):
+            enc = encode.encode_version({"w": new}, {"w": "0" * 32}, {"w": old}, cfg, lambda e, d: None)
+        assert [b.encoding for b in enc.blocks] == [want] and enc.changed_elements == n
+        assert built == ([] if want == SPARSE_SUB else [1])
