@@ -7,19 +7,25 @@ from xcluster.dtypes import UINT
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [0, 1, 7, 4099, SCAN_ELEMENTS + 13])
-def test_find_changes_matches_naive(width, n):
+@pytest.mark.parametrize("layout", ["aligned", "unaligned", "dense"])
+def test_find_changes_matches_naive(width, n, layout):
+    """Whatever the width, the alignment of the word views and the density."""
     rng = np.random.default_rng(width * 1000 + n)
     dt = UINT[width]
     old = rng.integers(0, np.iinfo(dt).max, size=n, dtype=dt, endpoint=True)
+    if layout == "unaligned":  # one element into a buffer: the word views are not 8-byte aligned
+        buf = np.empty(n + 1, dtype=dt)
+        buf[1:] = old
+        old = buf[1:]
     new = old.copy()
-    k = max(1, n // 50) if n else 0
+    k = (n if layout == "dense" else max(1, n // 50)) if n else 0
     idx = rng.choice(n, size=k, replace=False) if n else np.empty(0, dtype=np.int64)
     new[idx] ^= dt(1)
     if n:
         new[-1] = old[-1] + dt(3)  # the unaligned tail
     pos, ov, nv = find_changes(old, new)
     want = np.flatnonzero(old != new)
-    assert pos.dtype == np.int64
+    assert pos.dtype == np.int64 and ov.dtype == nv.dtype == dt
     np.testing.assert_array_equal(pos, want)
     np.testing.assert_array_equal(ov, old[want])
     np.testing.assert_array_equal(nv, new[want])

@@ -54,6 +54,18 @@ def _scan(old: np.ndarray, new: np.ndarray, offset: int) -> tuple[np.ndarray, np
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
+def gaps_of(pos: np.ndarray) -> np.ndarray:
+    """The gaps of sorted positions inside one range (< 2**32 elements): ``pos[0]``, then
+    ``pos[k] - pos[k-1] - 1``, as uint32. Written into the result by ufuncs, which release the GIL
+    (``np.diff`` with ``prepend`` holds it while it joins and copies)."""
+    gaps = np.empty(pos.size, dtype=np.uint32)
+    if pos.size:
+        gaps[0] = pos[0]
+        np.subtract(pos[1:], pos[:-1], out=gaps[1:], casting="unsafe")
+        gaps[1:] -= np.uint32(1)
+    return gaps
+
+
 def zigzag_diff(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """``zigzag(new - old)`` elementwise for unsigned arrays of one width (wrapping)."""
     d = new - old
