@@ -40,12 +40,18 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return {"w": w}
 
 
-def test_each_daemon_loop_reads_head_once_idle_or_not(tmp_path):
+def _follower(tmp_path, keyframe_every: int) -> tuple[CountingStore, Publisher, Daemon]:
+    """A store with version 1 published and a resumed daemon that has not stepped yet."""
     store = CountingStore(tmp_path / "store")
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=4))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=keyframe_every))
     pub.publish(weights(0))
     d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", lease_every_s=0))
     d.resume()
+    return store, pub, d
+
+
+def test_each_daemon_loop_reads_head_once_idle_or_not(tmp_path):
+    store, pub, d = _follower(tmp_path, 4)
     store.gets.clear()
     assert d.step() and d.state.version == 1  # a new version: still one read of HEAD
     assert store.gets[HEAD_KEY] == 1
@@ -59,11 +65,7 @@ def test_each_daemon_loop_reads_head_once_idle_or_not(tmp_path):
 
 
 def test_a_new_version_s_manifest_is_read_once_and_a_longer_plan_rereads_only_the_later_ones(tmp_path):
-    store = CountingStore(tmp_path / "store")
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=8))
-    pub.publish(weights(0))
-    d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", lease_every_s=0))
-    d.resume()
+    store, pub, d = _follower(tmp_path, 8)
     assert d.step() and d.state.version == 1
     assert dict(store.manifest_reads) == {"000000000001": 1}
     pub.publish(weights(1))
