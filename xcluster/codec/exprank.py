@@ -8,9 +8,9 @@ coded rank, the element that has it (select).
 Two implementations give identical results:
 
 - compiled loops (numba, imported lazily; a missing or broken numba falls back): one pass over the
-  range's raw bits with four or eight interleaved histograms, so consecutive elements of one group do not
-  wait on each other (the encoder histograms the run of unchanged elements before each change with no
-  test inside it); the GIL is released, so ranges decode on several cores at once;
+  range's raw bits with eight interleaved histograms, so consecutive elements of one group do not
+  wait on each other (the encoder tests once per eight elements whether a change falls among them,
+  not once per element); the GIL is released, so ranges decode on several cores at once;
 - numpy: one bitmap per group that holds changes (members packed 64 to a word) with the prefix
   popcounts of its words; one pass over the range per such group.
 
@@ -118,29 +118,42 @@ def _compiled_kernels(cache: bool = True):
     def ranks(bits, pos, shift, mask, ng):
         n = bits.size
         m = pos.size
-        c = np.zeros((4, ng), np.uint32)  # a segment holds < 2**32 elements
+        c = np.zeros((8, ng), np.uint32)  # lane k counts elements 8·q + k; a segment holds < 2**32 elements
         grp = np.empty(m, np.int64)
         rank = np.empty(m, np.int64)
-        i = 0
-        for j in range(m + 1):  # the run of unchanged elements before each change (and the tail)
-            p = pos[j] if j < m else n
-            while i + 4 <= p:
+        j = 0
+        p = pos[0] if m > 0 else n  # the next change
+        n8 = n - n % 8
+        for i in range(0, n8, 8):
+            if p >= i + 8:  # no change among these eight (nearly always): no test per element
                 c[0, (bits[i] >> shift) & mask] += 1
                 c[1, (bits[i + 1] >> shift) & mask] += 1
                 c[2, (bits[i + 2] >> shift) & mask] += 1
                 c[3, (bits[i + 3] >> shift) & mask] += 1
-                i += 4
-            while i < p:
-                c[0, (bits[i] >> shift) & mask] += 1
-                i += 1
-            if j < m:
-                g = (bits[p] >> shift) & mask
+                c[4, (bits[i + 4] >> shift) & mask] += 1
+                c[5, (bits[i + 5] >> shift) & mask] += 1
+                c[6, (bits[i + 6] >> shift) & mask] += 1
+                c[7, (bits[i + 7] >> shift) & mask] += 1
+                continue
+            for k in range(8):
+                g = (bits[i + k] >> shift) & mask
+                if i + k == p:
+                    grp[j] = g
+                    rank[j] = (np.int64(c[0, g]) + c[1, g] + c[2, g] + c[3, g] + c[4, g] + c[5, g] + c[6, g]
+                               + c[7, g])
+                    j += 1
+                    p = pos[j] if j < m else n
+                c[k, g] += 1
+        for i in range(n8, n):
+            g = (bits[i] >> shift) & mask
+            if i == p:
                 grp[j] = g
-                rank[j] = np.int64(c[0, g]) + c[1, g] + c[2, g] + c[3, g]
-                c[0, g] += 1
-                i = p + 1
+                rank[j] = (np.int64(c[0, g]) + c[1, g] + c[2, g] + c[3, g] + c[4, g] + c[5, g] + c[6, g] + c[7, g])
+                j += 1
+                p = pos[j] if j < m else n
+            c[0, g] += 1
         sizes = np.zeros(ng, np.int64)
-        for lane in range(4):
+        for lane in range(8):
             for g in range(ng):
                 sizes[g] += c[lane, g]
         return grp, rank, sizes
