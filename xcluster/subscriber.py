@@ -539,8 +539,9 @@ class Subscriber:
         plock = threading.Lock()
         touched = {s.tensor for b in m.blocks for s in b.segments}
         # a tensor is hashed by the worker that patches its last block, while others still decode
-        pending = Counter(i for bi in patches for i in {s.tensor for s in m.blocks[bi].segments})
-        early: dict[int, str] = {}
+        block_tensors = {bi: {s.tensor for s in m.blocks[bi].segments} for bi in patches}
+        pending = Counter(i for ts in block_tensors.values() for i in ts)
+        hashed: dict[int, str] = {}
 
         def run_block(bi: int) -> None:
             b = m.blocks[bi]
@@ -555,12 +556,12 @@ class Subscriber:
                         applied.append((tgt, op))
             with plock:
                 done = []
-                for i in {s.tensor for s in b.segments}:
+                for i in block_tensors[bi]:
                     pending[i] -= 1
                     if pending[i] == 0:
                         done.append(i)
             for i in done:
-                early[i] = entry_digest(target[i], m.tensors[i].parts)
+                hashed[i] = entry_digest(target[i], m.tensors[i].parts)
 
         ok = False
         with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
@@ -573,11 +574,11 @@ class Subscriber:
                 # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
                 idx = sorted(touched | {i for i, t in enumerate(m.tensors)
                                         if t.init != INIT_BASE or digests.get(t.name) != t.digest})
-                rest = [i for i in idx if i not in early]
-                late = dict(zip(rest, _run_all(pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts),
-                                               len(rest))))
-                hashed = [early[i] if i in early else late[i] for i in idx]
-                for i, got in zip(idx, hashed):
+                rest = [i for i in idx if i not in hashed]
+                hashed.update(zip(rest, _run_all(
+                    pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts), len(rest))))
+                for i in idx:
+                    got = hashed[i]
                     if got != m.tensors[i].digest:
                         changed = "after applying" if i in touched or m.tensors[i].init != INIT_BASE else \
                             "unchanged from the verified base"

@@ -8,7 +8,6 @@ of patching a delta. Without numba the numpy expression gives the same result.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from . import jit
