@@ -59,7 +59,8 @@ class CodecConfig:
     loops, 1% changed, 2 cores: 1.3-1.9 GB/s and 1.7-2.6 GB/s of model bytes on a 67 MB
     transformer-shaped model, 0.7-0.9 and 1.1-1.7 GB/s on the 45 MB real one; applying is one
     pass over the base's bits per range, at about 1 ns per element; numpy alone is several times
-    slower). Ranges with fewer than ``EXP_MIN_CHANGES`` changes stay ``sparse-sub``. Opt-in
+    slower). Ranges with fewer than ``EXP_MIN_CHANGES`` changes, or where it saves under
+    ``EXP_MIN_SAVING`` bits per element, stay ``sparse-sub``. Opt-in
     because a manifest with such a block declares schema 5, which readers older than it refuse:
     turn it on once every subscriber reads schema 5."""
 
@@ -272,8 +273,9 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         if exp is not None and nnz >= EXP_MIN_CHANGES:
             order, ranks, sizes, counts = exp
             z = join_planes(planes[4:], UINT[w])
-            encoding, planes = _smaller(planes, expgroup.pack(exp_dtype, counts, sizes, ranks, z[order],
-                                                              stored_k=EXP_ENCODING == SPARSE_EXP2), config)
+            encoding, planes = _smaller(planes, lambda: expgroup.pack(exp_dtype, counts, sizes, ranks, z[order],
+                                                                      stored_k=EXP_ENCODING == SPARSE_EXP2),
+                                        count, config)
         seg = Segment(r.t_idx, r.start, count, nnz if kind == "sparse" else count)
         return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(seg, planes), nnz, pos, values)
     nnp = _host_bits(new, r.start, r.end)
@@ -297,8 +299,9 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     z = zigzag_diff(ov, nv)
     encoding, pieces = SPARSE_SUB, split_planes(gaps) + split_planes(z)
     if nnz >= EXP_MIN_CHANGES and (exp_dtype := _exp_dtype(new, config)) is not None:
-        encoding, pieces = _smaller(pieces, expgroup.build(onp, pos, z, exp_dtype, stored_k=EXP_ENCODING == SPARSE_EXP2),
-                                    config)
+        encoding, pieces = _smaller(pieces, lambda: expgroup.build(onp, pos, z, exp_dtype,
+                                                                   stored_k=EXP_ENCODING == SPARSE_EXP2),
+                                    count, config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
     return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()), None)
 
@@ -326,6 +329,16 @@ and the trial (grouping, coding, compressing both) costs more than encoding the 
 On the real-weights run (bench/codec.py --v2 --real) 16, 64 and 256 all give 7.64 bits per change
 over 24 steps (7.65 when every range tries), 1024 gives 8.29; the 64 ranges of 384 elements of
 that model then encode in 100 µs each instead of 230."""
+
+EXP_MIN_SAVING = 0.001
+"""Bits per element of a range that ``sparse-exp`` must save over ``sparse-sub`` to be written
+(about one byte per 8192 elements); below that the range stays ``sparse-sub``, and where
+``sparse-sub`` itself is that small the ``sparse-exp`` trial is skipped. Decoding ``sparse-exp``
+reads every element of the range (about 1 ns each), ``sparse-sub`` only the changes: a near-idle
+range, such as an embedding table of which a step touches a few rows, saved a few hundred bytes
+for a pass over millions of elements. On the real-weights run (bench/codec.py --v2 --real), 0 and
+0.0005-0.004 all give 7.63-7.64 bits per change over 24 steps; 0.001 moves the word embedding
+(52% of that model's elements, 0.01% of them changed per step) to ``sparse-sub``."""
 
 FULL_MIN_ELEMENTS = 1024
 """Ranges of whole values shorter than this stay byte planes: a full-rans segment's tables (2 KiB
@@ -382,10 +395,17 @@ def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None 
     return sum(streams.stored_size([p], level=level or config.zstd_level) for p in pieces)
 
 
-def _smaller(v1: list[np.ndarray], v2: list[np.ndarray], config: CodecConfig) -> tuple[str, list[np.ndarray]]:
-    """``sparse-sub`` or ``EXP_ENCODING`` pieces of one segment, whichever compresses smaller (ties:
-    sparse-sub)."""
-    return (EXP_ENCODING, v2) if _stored(v2, config) < _stored(v1, config) else (SPARSE_SUB, v1)
+def _smaller(v1: list[np.ndarray], v2: Callable[[], list[np.ndarray]], count: int, config: CodecConfig
+             ) -> tuple[str, list[np.ndarray]]:
+    """``sparse-sub`` pieces ``v1`` of a segment of ``count`` elements, or the ``EXP_ENCODING``
+    pieces ``v2()`` builds where they are smaller by more than ``EXP_MIN_SAVING`` bits per element
+    (not built when ``v1`` itself is under that)."""
+    need = EXP_MIN_SAVING * count / 8  # bytes
+    s1 = _stored(v1, config)
+    if s1 <= need:
+        return SPARSE_SUB, v1
+    pieces = v2()
+    return (EXP_ENCODING, pieces) if s1 - _stored(pieces, config) > need else (SPARSE_SUB, v1)
 
 
 def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
