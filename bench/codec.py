@@ -145,11 +145,12 @@ def _manifest_bytes(store, version: int) -> tuple[int, int]:
     return len(stored), len(unpack(key, stored, where=key))
 
 
-def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
+def run_bits(master, lr: float, steps: int, stepper=adam_steps):
     """Bits per changed element of a whole run, every byte counted (chunks, manifest, HEAD): v1,
     v2 and the slime-style baseline, per step; and the chunks alone (the codec's own bytes: the
     manifest's size follows the number of tensors, not the number of changes). v2 stores its
-    manifests packed (``compress_manifest``, FORMAT.md §3a); "v2 plain" is v2 with them stored plain."""
+    manifests packed (``compress_manifest``, FORMAT.md §3a); "v2 plain" is v2 with them stored plain.
+    Returns the run's first delta, ``(step 0, step 1)``."""
     stores = {name: open_store(f"memory://bench-{uuid.uuid4().hex}") for name in ("v1", "v2")}
     pubs = {name: Publisher(store=stores[name],
                             config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None, codec=cfg,
@@ -162,7 +163,7 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
     keys = ("v1", "v2", "slime", "changed", "v1c", "v2c", "v2p")
     tot = dict.fromkeys(keys, 0)
     early = dict.fromkeys(keys, 0)
-    prev = None
+    prev = first = None
     for s, cur in enumerate(stepper(master, lr, steps)):
         res = {name: pub.publish(cur, step=s) for name, pub in pubs.items()}
         if prev is None:
@@ -183,6 +184,8 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
                 tot[k] += v
                 if s <= 5:
                     early[k] += v
+            if s == 1:
+                first = (prev, cur)
         prev = cur
     for label, t in ((f"1-{steps}", tot), ("1-5", early)):
         print(f"| {label} | | {8 * t['v1'] / t['changed']:.2f} | {8 * t['v2'] / t['changed']:.2f} "
@@ -191,19 +194,24 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps) -> None:
         print(f"  {label}: v2 writes {t['slime'] / t['v2']:.2f}x fewer bytes than XOR+zstd (slime), every byte counted")
     print("keyframe (step 0): " + ", ".join(f"{k} {r.ratio:.1%} of bf16 ({8 * r.bytes_written / r.total_elements:.2f} "
                                              f"bits/element)" for k, r in kf.items()))
+    return first
 
 
-def run_speed(base) -> None:
-    """Encode and apply speed at fixed densities, v1 and v2 side by side in one run."""
-    print("| density | codec | bits/changed | encode MB/s | apply MB/s |")
+def run_speed(base, first=None) -> None:
+    """Encode and apply speed, v1 and v2 side by side in one run: at fixed densities (that share of
+    every tensor's elements moved by one ulp, at random) and, where given, on the run's first delta
+    ``first`` (where a real step's changes fall)."""
+    print("| delta | codec | bits/changed | encode MB/s | apply MB/s |")
     print("|---|---|---|---|---|")
-    for density in (0.001, 0.01):
-        new = at_density(base, density)
-        rows = {name: measure(base, new, cfg=cfg) for name, cfg in (("v1", V1), ("v2", V2))}
+    work = [(f"{d:.1%} of each tensor", base, at_density(base, d)) for d in (0.001, 0.01)]
+    if first is not None:
+        work.append(("step 1 of the run", *first))
+    for label, old, new in work:
+        rows = {name: measure(old, new, cfg=cfg) for name, cfg in (("v1", V1), ("v2", V2))}
         for name, r in rows.items():
-            print(f"| {density:.1%} | {name} | {8 * r['bytes'] / max(r['changed'], 1):.2f} | {r['encode_mbps']:,.0f} "
-                  f"| {r['apply_mbps']:,.0f} |")
-        print(f"| {density:.1%} | v2/v1 | | {rows['v2']['encode_mbps'] / rows['v1']['encode_mbps']:.2f}× "
+            print(f"| {label} ({r['changed'] / r['total']:.2%}) | {name} | {8 * r['bytes'] / max(r['changed'], 1):.2f} "
+                  f"| {r['encode_mbps']:,.0f} | {r['apply_mbps']:,.0f} |")
+        print(f"| {label} | v2/v1 | | {rows['v2']['encode_mbps'] / rows['v1']['encode_mbps']:.2f}× "
               f"| {rows['v2']['apply_mbps'] / rows['v1']['apply_mbps']:.2f}× |")
 
 
@@ -282,8 +290,8 @@ def main() -> None:
         else:
             master = make_master(args.scale)
         print(f"torch threads {torch.get_num_threads()}")
-        run_bits(master, args.lr, args.steps, stepper)
-        run_speed({n: t.to(torch.bfloat16) for n, t in master.items()})
+        first = run_bits(master, args.lr, args.steps, stepper)
+        run_speed({n: t.to(torch.bfloat16) for n, t in master.items()}, first)
         run_keyframe({n: t.to(torch.bfloat16) for n, t in master.items()})
         return
     torch.manual_seed(0)

@@ -345,11 +345,10 @@ def test_ranges_with_few_changes_stay_sparse_sub_without_a_sparse_exp_trial():
 
 def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_saving():
     """sparse-exp must save EXP_MIN_SAVING bits per element of the range (its decoder reads every
-    element, sparse-sub's only the changes): a range of 2**20 elements with ~100 changes, where
-    sparse-exp is smaller by less than that, stays sparse-sub after a trial; one of 2**22 whose
-    sparse-sub bytes are already under it skips the trial."""
+    element, sparse-sub's only the changes): a range of 2**22 elements with ~100 changes, where
+    sparse-exp is smaller by less than that, stays sparse-sub after a trial; ranges of 2**23
+    whose sparse-sub bytes are already under it skip the trial."""
     cfg = CodecConfig(exp_groups=True)
-    gen = torch.Generator().manual_seed(3)
     built: list[int] = []
     real_build = encode.expgroup.build
 
@@ -357,23 +356,21 @@ def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_sa
         built.append(1)
         return real_build(*a, **kw)
 
-    def encoded(n: int, step: float, min_saving: float) -> tuple[str, int]:
+    def encoded(n: int, step: float, min_saving: float) -> tuple[list[str], int]:
         built.clear()
         master = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02
         old = master.to(torch.bfloat16)  # an update under most elements' half ulp: only the smallest move
-        new = (master + step * torch.randn(n, generator=gen).sign()).to(torch.bfloat16)
+        new = (master + step * torch.randn(n, generator=torch.Generator().manual_seed(3)).sign()).to(torch.bfloat16)
         with mock.patch.object(encode.expgroup, "build", build), \
                 mock.patch.object(encode, "EXP_MIN_SAVING", min_saving):
             enc = encode.encode_version({"w": new}, {"w": "0" * 32}, {"w": old}, cfg, lambda e, d: None)
-        assert encode.EXP_MIN_CHANGES <= enc.changed_elements < n // 5000
-        [block] = enc.blocks
-        return block.encoding, sum(s.stored for s in block.streams)
+        segs = [s for b in enc.blocks for s in b.segments]
+        assert all(encode.EXP_MIN_CHANGES <= s.nnz < s.count // 20_000 for s in segs), [s.nnz for s in segs]
+        return [b.encoding for b in enc.blocks], sum(s.stored for b in enc.blocks for s in b.streams)
 
-    gen.manual_seed(3)
-    exp_enc, exp_bytes = encoded(1 << 20, 1e-9, 0.0)  # any saving: sparse-exp2 is smaller here
-    gen.manual_seed(3)
-    sub_enc, sub_bytes = encoded(1 << 20, 1e-9, encode.EXP_MIN_SAVING)
-    assert (exp_enc, sub_enc, built) == (SPARSE_EXP2, SPARSE_SUB, [1])
-    assert 0 < 8 * (sub_bytes - exp_bytes) < encode.EXP_MIN_SAVING * (1 << 20)
-    enc, size = encoded(1 << 22, 3e-10, encode.EXP_MIN_SAVING)
-    assert (enc, built) == (SPARSE_SUB, []) and 8 * size <= encode.EXP_MIN_SAVING * (1 << 22)
+    exp_enc, exp_bytes = encoded(1 << 22, 3e-10, 0.0)  # any saving: sparse-exp2 is smaller here
+    sub_enc, sub_bytes = encoded(1 << 22, 3e-10, encode.EXP_MIN_SAVING)
+    assert (exp_enc, sub_enc, built) == ([SPARSE_EXP2], [SPARSE_SUB], [1])
+    assert 0 < 8 * (sub_bytes - exp_bytes) < encode.EXP_MIN_SAVING * (1 << 22)
+    enc, size = encoded(1 << 24, 1e-10, encode.EXP_MIN_SAVING)  # two ranges of 2**23 elements
+    assert (enc, built) == ([SPARSE_SUB], []) and 8 * size <= encode.EXP_MIN_SAVING * (1 << 24)

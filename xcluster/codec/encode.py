@@ -330,15 +330,16 @@ On the real-weights run (bench/codec.py --v2 --real) 16, 64 and 256 all give 7.6
 over 24 steps (7.65 when every range tries), 1024 gives 8.29; the 64 ranges of 384 elements of
 that model then encode in 100 µs each instead of 230."""
 
-EXP_MIN_SAVING = 0.001
+EXP_MIN_SAVING = 0.0005
 """Bits per element of a range that ``sparse-exp`` must save over ``sparse-sub`` to be written
-(about one byte per 8192 elements); below that the range stays ``sparse-sub``, and where
+(one byte per 16384 elements); below that the range stays ``sparse-sub``, and where
 ``sparse-sub`` itself is that small the ``sparse-exp`` trial is skipped. Decoding ``sparse-exp``
 reads every element of the range (about 1 ns each), ``sparse-sub`` only the changes: a near-idle
 range, such as an embedding table of which a step touches a few rows, saved a few hundred bytes
-for a pass over millions of elements. On the real-weights run (bench/codec.py --v2 --real), 0 and
-0.0005-0.004 all give 7.63-7.64 bits per change over 24 steps; 0.001 moves the word embedding
-(52% of that model's elements, 0.01% of them changed per step) to ``sparse-sub``."""
+for a pass over millions of elements. On the real-weights run (bench/codec.py --v2 --real) the
+word embedding (52% of that model's elements, about 0.01% of them changed per step) stays
+``sparse-sub``, at the same 7.63-7.64 bits per change over 24 steps; 0.001 would also cost 1.7%
+more bytes at 0.1% random changes, 0.00025 and 0.0005 nothing there."""
 
 FULL_MIN_ELEMENTS = 1024
 """Ranges of whole values shorter than this stay byte planes: a full-rans segment's tables (2 KiB
