@@ -119,12 +119,18 @@ def test_kernels_compile_in_memory_when_numba_cannot_cache(monkeypatch):
         exprank._kernels.cache_clear()
 
 
-def _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled):
+READERS = ("one call", "compiled", "numpy")
+"""How a segment is read: ``sparse-exp2`` in one compiled call (codec/expread.py), numpy steps
+around the compiled Rice decoder and select, or numpy alone."""
+
+
+def _decode(pieces, olds, nnzs, dtype, udt, stored_k, reader):
     from xcluster.codec import expgroup
     from xcluster.errors import DecodeError
 
     r = expgroup.SegmentReader([p.copy() for p in pieces], np.dtype(udt).itemsize, "t", stored_k=stored_k)
-    r.compiled = compiled
+    r.compiled = reader != "numpy"
+    r.one_call = r.one_call and reader == "one call"
     try:
         out = [r.segment(old, nnz, dtype, udt) for old, nnz in zip(olds, nnzs)]
         r.finish()
@@ -139,8 +145,9 @@ def _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled):
        sizes=st.lists(st.integers(2, 4000), min_size=1, max_size=3), density=st.sampled_from([0.002, 0.03, 0.3]),
        seed=st.integers(0, 2**31), stored_k=st.booleans())
 def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, stored_k):
-    """A block of 1-3 sparse-exp(2) segments decodes to the same changes with the compiled Rice
-    decoder as with numpy; with a bit flipped anywhere, both refuse it or both decode the same."""
+    """A block of 1-3 sparse-exp(2) segments decodes to the same changes read in one compiled call,
+    with the compiled Rice decoder and select, and with numpy alone; with a bit flipped anywhere,
+    all refuse it or all decode the same."""
     from xcluster.codec import expgroup
     from xcluster.codec.changes import zigzag_diff
 
@@ -161,8 +168,9 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
         nnzs.append(pos.size)
     pieces = [np.concatenate([np.ascontiguousarray(p[i]).view(np.uint8) for p in seg_pieces])
               for i in range(expgroup.N_STREAMS)]
-    good = _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled=True)
-    assert good is not None and good == _decode(pieces, olds, nnzs, dtype, udt, stored_k, compiled=False)
+    good = _decode(pieces, olds, nnzs, dtype, udt, stored_k, READERS[0])
+    assert good is not None
+    assert all(good == _decode(pieces, olds, nnzs, dtype, udt, stored_k, r) for r in READERS[1:])
     for _ in range(12):
         s = int(rng.integers(0, len(pieces)))
         if pieces[s].size == 0:
@@ -170,8 +178,37 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
         bad = [p.copy() for p in pieces]
         bit = int(rng.integers(0, 8 * bad[s].size))
         bad[s][bit // 8] ^= np.uint8(1 << (bit % 8))
-        assert _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=True) == \
-            _decode(bad, olds, nnzs, dtype, udt, stored_k, compiled=False)
+        got = _decode(bad, olds, nnzs, dtype, udt, stored_k, READERS[0])
+        assert all(got == _decode(bad, olds, nnzs, dtype, udt, stored_k, r) for r in READERS[1:])
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+def test_sparse_exp2_segments_are_read_in_one_compiled_call(monkeypatch):
+    """Where numba works, a sparse-exp2 segment is read by codec/expread.py (no numpy steps), a
+    sparse-exp one is not (its Rice parameters need the group sizes); without expread's loops the
+    numpy steps read the same segment to the same changes."""
+    from xcluster.codec import expgroup, expread
+    from xcluster.codec.changes import zigzag_diff
+
+    rng = np.random.default_rng(5)
+    old = (rng.standard_normal(20000) * 0.02).astype(np.float32).view(np.uint32)
+    pos = np.flatnonzero(rng.random(old.size) < 0.02)
+    new = old.copy()
+    new[pos] += np.where(rng.random(pos.size) < 0.8, 1, 1 << 20).astype(np.uint32)
+    z = zigzag_diff(old[pos], new[pos])
+    calls = []
+    real = expread.read
+    monkeypatch.setattr(expread, "read", lambda *a: calls.append(1) or real(*a))
+    for stored_k in (True, False):
+        r = expgroup.SegmentReader(expgroup.build(old, pos, z, "float32", stored_k=stored_k), 4, "t", stored_k=stored_k)
+        got, gz = r.segment(old, pos.size, "float32", np.uint32)
+        r.finish()
+        assert np.array_equal(got, pos) and np.array_equal(gz, z)
+        assert r.one_call == stored_k and len(calls) == 1  # the sparse-exp2 segment's, first
+    monkeypatch.setattr(expread, "_kernels", lambda: None)
+    r = expgroup.SegmentReader(expgroup.build(old, pos, z, "float32"), 4, "t")
+    got, gz = r.segment(old, pos.size, "float32", np.uint32)
+    assert not r.one_call and len(calls) == 1 and np.array_equal(got, pos) and np.array_equal(gz, z)
 
 
 @pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")

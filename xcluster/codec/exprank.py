@@ -21,6 +21,7 @@ Pure: numpy arrays in, numpy arrays out. ``positions`` and ``ranks`` are int64, 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -312,11 +313,21 @@ def _compiled_kernels(cache: bool = True):
             rem[at] = np.uint8(buf & 0xFF)
         return unary, rem
 
-    return ranks, sizes, select, rice, rice_code
+    return Kernels(ranks, sizes, select, rice, rice_code)
+
+
+class Kernels(NamedTuple):
+    """The compiled loops (numba dispatchers; other compiled loops may call them)."""
+
+    ranks: object
+    sizes: object
+    select: object
+    rice: object
+    rice_code: object
 
 
 @once
-def _kernels():
+def _kernels() -> Kernels | None:
     """The compiled kernels, or None (numba missing or broken, or turned off)."""
     if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
         return None
@@ -334,6 +345,11 @@ def _kernels():
 def compiled() -> bool:
     """Whether the compiled kernels are in use."""
     return _kernels() is not None
+
+
+def kernels() -> Kernels | None:
+    """The compiled kernels, or None where they are not in use."""
+    return _kernels()
 
 
 def _args(bits: np.ndarray, shift: int, mask: int):
