@@ -183,6 +183,52 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
 
 
 @pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from([("bfloat16", np.uint16), ("float16", np.uint16), ("float32", np.uint32),
+                              ("float8_e4m3fn", np.uint8), ("float8_e5m2", np.uint8)]),
+       n=st.integers(1, 5000), density=st.sampled_from([0.001, 0.02, 0.3, 0.5]), big=st.sampled_from([0.0, 0.1, 1.0]),
+       seed=st.integers(0, 2**31))
+def test_compiled_writer_writes_the_numpy_bytes(field, n, density, big, seed):
+    """codec/expwrite.py writes a sparse-exp2 segment to the very bytes of the numpy steps
+    (group_ranks, then pack), for every dtype with exponent groups, any share of changes that moved
+    more than one step, and values up to the width's largest."""
+    from xcluster.codec import expgroup, expwrite
+
+    dtype, udt = field
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(udt)
+    old = (rng.integers(0, int(info.max) + 1, size=n, dtype=np.uint64)
+           // rng.integers(1, 64, size=n, dtype=np.uint64)).astype(udt)
+    pos = np.flatnonzero(rng.random(n) < density)
+    if pos.size == 0:
+        pos = np.array([n - 1])
+    z = rng.integers(1, 3, size=pos.size).astype(udt)
+    moved = rng.random(pos.size) < big
+    z[moved] = rng.integers(3, int(info.max) + 1, size=int(moved.sum()), dtype=np.uint64).astype(udt)
+    order, ranks, sizes, counts = expgroup.group_ranks(old, pos, dtype)
+    want = expgroup.pack(dtype, counts, sizes, ranks, z[order])
+    got = expwrite.build(old, pos, z, *expgroup.EXP_FIELDS[dtype][:1], (1 << expgroup.EXP_FIELDS[dtype][1]) - 1)
+    assert [g.dtype for g in got] == [np.uint8] * expgroup.N_STREAMS
+    assert [g.tobytes() for g in got] == [np.ascontiguousarray(w).view(np.uint8).tobytes() for w in want]
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(expgroup.build(old, pos, z, dtype), got))
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
+def test_compiled_writer_derives_every_rice_parameter_as_rice_k():
+    """The Rice parameter the compiled writer stores for a group of ``pop`` elements with ``nnz``
+    changes is expgroup.rice_k's, on both sides of every step of it."""
+    from xcluster.codec import expgroup, expwrite
+
+    for nnz in (1, 2, 3, 5, 7):
+        pops = np.arange(nnz, 9000, dtype=np.int64)
+        steps = pops[np.diff([expgroup.rice_k(int(p), nnz) for p in pops], prepend=-1) != 0]
+        for pop in sorted({int(p) + d for p in steps for d in (-1, 0)} - {nnz - 1}):
+            old = np.full(pop, 0x3F80, dtype=np.uint16)  # one group, 0x7F
+            pieces = expwrite.build(old, np.arange(nnz), np.ones(nnz, np.uint16), 7, 0xFF)
+            assert pieces[0][4 * 256 + 0x7F] == expgroup.rice_k(pop, nnz), (pop, nnz)
+
+
+@pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
 def test_sparse_exp2_segments_are_read_in_one_compiled_call(monkeypatch):
     """Where numba works, a sparse-exp2 segment is read by codec/expread.py (no numpy steps), a
     sparse-exp one is not (its Rice parameters need the group sizes); without expread's loops the

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DecodeError
-from . import exprank, expread
+from . import exprank, expread, expwrite
 from .changes import split_planes
 
 EXP_FIELDS: dict[str, tuple[int, int]] = {
@@ -137,7 +137,10 @@ def _rice_numpy(ranks: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.nda
 
 def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str, *, stored_k: bool = True) -> list[np.ndarray]:
     """``sparse-exp2`` (``stored_k``) or ``sparse-exp`` stream pieces of one segment from its old raw
-    bits (the range), the sorted relative changed positions and their zigzag diffs (in position order)."""
+    bits (the range), the sorted relative changed positions and their zigzag diffs (in position order).
+    ``sparse-exp2`` is written by compiled code from end to end where there is some (the same bytes)."""
+    if stored_k and (pieces := expwrite.build(old, pos, z, *_field(dtype))) is not None:
+        return pieces
     order, ranks, sizes, counts = group_ranks(old, pos, dtype)
     return pack(dtype, counts, sizes, ranks, z[order], stored_k=stored_k)
 
