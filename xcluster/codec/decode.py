@@ -5,8 +5,8 @@ applying a delta is ``bits[pos] += diff`` on unsigned views, so it is undone exa
 ``bits[pos] -= diff`` if a later check fails.
 
 Memory: a block's byte planes are joined into one array as each is decompressed (one plane
-in flight), sparse positions stay as their uint32 gaps and are expanded to int64 only
-``PIECE`` at a time while patching, so decoding a block needs about :func:`block_memory` bytes,
+in flight), sparse positions stay as their uint32 gaps (a compiled loop patches from them;
+numpy expands them to int64 ``PIECE`` at a time), so decoding a block needs about :func:`block_memory` bytes,
 a small multiple of the tensor bytes it covers (``FORMAT.md`` bounds a sparse segment's nnz to
 half its count).
 """
@@ -25,10 +25,8 @@ from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_EXP, FULL_RANS, GAP_WIDTH, 
                       TensorEntry)
 from . import expgroup, fullexp, rans, streams
 from .changes import unzigzag
-from .scatter import scatter_add
+from .scatter import PIECE, scatter_add, scatter_gaps
 
-PIECE = 1 << 18
-"""Changed elements expanded to int64 positions (and unzigzagged) at a time."""
 
 
 @dataclass(slots=True)
@@ -203,11 +201,4 @@ def patch(target: torch.Tensor, op: Patch | Scatter, *, undo: bool = False) -> N
         else:
             view += op.diff
         return
-    last = op.start - 1  # the position before this piece's first
-    for s in range(0, op.gaps.size, PIECE):
-        # p_k = p_(k-1) + gap_k + 1; decode_block checked sum(gaps) + nnz <= count <= 2**31,
-        # so gap + 1 fits in uint32
-        pos = np.cumsum(op.gaps[s:s + PIECE] + np.uint32(1), dtype=np.int64)
-        pos += last
-        last = int(pos[-1])
-        scatter_add(bits, pos, op.diff[s:s + PIECE], subtract=undo)
+    scatter_gaps(bits, op.start, op.gaps, op.diff, subtract=undo)  # decode_block checked the positions
