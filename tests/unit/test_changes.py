@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
 
-from xcluster.codec.changes import SCAN_ELEMENTS, find_changes, join_planes, split_planes, unzigzag, zigzag_diff
+from xcluster.codec import changes
+from xcluster.codec.changes import (SCAN_ELEMENTS, find_changes, gaps_of, join_planes, sparse_sub_pieces, split_planes,
+                                     unzigzag, zigzag_diff)
 from xcluster.dtypes import UINT
 
 
@@ -109,3 +111,28 @@ def test_content_of_up_to_min_frame_bytes_never_compresses(level):
             piece = np.frombuffer(x, dtype=np.uint8)
             assert streams.compress([piece], level=level) == want
             assert streams.stored_size([piece[:3], piece[3:]], level=level) == len(want[1])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_sparse_sub_pieces_are_the_planes_of_gaps_and_zigzags(width, n):
+    """One compiled pass (widths 1, 2, 4) gives the byte planes of gaps_of and zigzag_diff, gaps up
+    to 2**32 - 1 and differences that wrap included; the numpy path gives the same."""
+    if width < 8 and n and changes._kernels() is None:
+        pytest.skip("numba is not importable here")
+    rng = np.random.default_rng(width + n)
+    dt = UINT[width]
+    ov = rng.integers(0, np.iinfo(dt).max, size=n, dtype=dt, endpoint=True)
+    nv = rng.integers(0, np.iinfo(dt).max, size=n, dtype=dt, endpoint=True)
+    nv[: n // 2] = ov[: n // 2] + np.array([1, -1], dtype=np.int64).astype(dt)[np.arange(n // 2) % 2]  # ±1 ulp
+    pos = np.sort(rng.choice(1 << 33, size=n, replace=False)) if n else np.empty(0, dtype=np.int64)
+    if n:
+        pos -= pos[0]
+        pos = pos[pos < 1 << 32][: n]  # gaps of up to 2**32 - 1 inside one range
+        ov, nv = ov[: pos.size], nv[: pos.size]
+    want_z = zigzag_diff(ov, nv)
+    want = split_planes(gaps_of(pos)) + split_planes(want_z)
+    for numpy in (False, True):
+        got, z = sparse_sub_pieces(pos, ov, nv, numpy=numpy)
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want] and len(got) == 4 + width
+        assert z.dtype == dt and z.tobytes() == want_z.tobytes()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import jit
+
 
 SCAN_ELEMENTS = 1 << 20
 """Elements compared per pass: both operands of a pass stay in cache for the second look."""
@@ -92,3 +94,52 @@ def join_planes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     if len(planes) == 1:
         return planes[0].view(dtype)
     return np.stack(planes, axis=1).view(dtype).reshape(-1)
+
+
+def _sub_pieces(pos, ov, nv, width):
+    """Gap planes (4 × m bytes), zigzag planes (width × m bytes) and the zigzag values themselves."""
+    m = pos.size
+    gp = np.empty(4 * m, np.uint8)
+    zp = np.empty(width * m, np.uint8)
+    z = np.empty(m, ov.dtype)
+    full = (np.int64(1) << (8 * width)) - 1
+    top = 8 * width - 1
+    prev = np.int64(-1)
+    for i in range(m):
+        g = np.int64(pos[i]) - prev - 1
+        prev = np.int64(pos[i])
+        gp[i] = g & 0xFF
+        gp[m + i] = (g >> 8) & 0xFF
+        gp[2 * m + i] = (g >> 16) & 0xFF
+        gp[3 * m + i] = (g >> 24) & 0xFF
+        d = (np.int64(nv[i]) - np.int64(ov[i])) & full
+        zz = ((d << 1) & full) ^ (full if d >> top else 0)
+        z[i] = zz
+        for b in range(width):
+            zp[b * m + i] = (zz >> (8 * b)) & 0xFF
+    return gp, zp, z
+
+
+def _smoke(loops) -> None:
+    gp, zp, z = loops[0](np.array([3, 300], np.int64), np.array([5, 0], np.uint16), np.array([4, 1], np.uint16), 2)
+    if gp.tolist() != [3, 40, 0, 1, 0, 0, 0, 0] or z.tolist() != [1, 2] or zp.tolist() != [1, 2, 0, 0]:
+        raise RuntimeError("the compiled sparse-sub pieces disagree with gaps_of and zigzag_diff")
+
+
+@jit.once
+def _kernels():
+    return jit.compile_loops(lambda c: (c(_sub_pieces),), _smoke)
+
+
+def sparse_sub_pieces(pos: np.ndarray, ov: np.ndarray, nv: np.ndarray, *, numpy: bool = False
+                      ) -> tuple[list[np.ndarray], np.ndarray]:
+    """A ``sparse-sub`` segment's pieces (the byte planes of :func:`gaps_of` of the sorted range
+    positions ``pos``, then those of :func:`zigzag_diff` of the old and new values there) and the
+    zigzag values: one compiled pass for elements of 1, 2 or 4 bytes, numpy otherwise."""
+    k = None if numpy or ov.itemsize == 8 else _kernels()
+    if k is None:
+        z = zigzag_diff(ov, nv)
+        return split_planes(gaps_of(pos)) + split_planes(z), z
+    m = pos.size
+    gp, zp, z = k[0](np.ascontiguousarray(pos), np.ascontiguousarray(ov), np.ascontiguousarray(nv), ov.itemsize)
+    return [gp[i * m:(i + 1) * m] for i in range(4)] + [zp[i * m:(i + 1) * m] for i in range(ov.itemsize)], z

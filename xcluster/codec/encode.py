@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_DTYPES, FULL_EXP, FULL_RANS, INIT_BASE, INIT_NONE, PLANES,
                       SPARSE_EXP2, SPARSE_SUB, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
 from . import expgroup, fullexp, rans, scan_torch, streams
-from .changes import find_changes, gaps_of, join_planes, split_planes, zigzag_diff
+from .changes import find_changes, join_planes, sparse_sub_pieces, split_planes, zigzag_diff
 
 SCANS = ("auto", "numpy", "torch")
 EXP_ENCODING = SPARSE_EXP2
@@ -295,9 +295,8 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         z = zigzag_diff(onp, nnp)
         return ScannedRange(r.name, r.start, r.end, DENSE_SUB, w, _Seg(Segment(r.t_idx, r.start, count, count),
                                                                        split_planes(z)), nnz, None, None)
-    gaps = gaps_of(pos)
-    z = zigzag_diff(ov, nv)
-    encoding, pieces = SPARSE_SUB, split_planes(gaps) + split_planes(z)
+    pieces, z = sparse_sub_pieces(pos, ov, nv)
+    encoding = SPARSE_SUB
     if nnz >= EXP_MIN_CHANGES and (exp_dtype := _exp_dtype(new, config)) is not None:
         encoding, pieces = _smaller(pieces, lambda: expgroup.build(onp, pos, z, exp_dtype,
                                                                    stored_k=EXP_ENCODING == SPARSE_EXP2),
