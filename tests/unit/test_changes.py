@@ -7,11 +7,14 @@ from xcluster.codec.changes import (SCAN_ELEMENTS, find_changes, gaps_of, join_p
 from xcluster.dtypes import UINT
 
 
+@pytest.mark.parametrize("numpy", [False, True], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [0, 1, 7, 4099, SCAN_ELEMENTS + 13])
-@pytest.mark.parametrize("layout", ["aligned", "unaligned", "dense"])
-def test_find_changes_matches_naive(width, n, layout):
-    """Whatever the width, the alignment of the word views and the density."""
+@pytest.mark.parametrize("layout", ["aligned", "unaligned", "dense", "clustered"])
+def test_find_changes_matches_naive(width, n, layout, numpy):
+    """Whatever the width, the alignment of the word views and the density, by the compiled
+    loop (its outputs grown several times over when dense, or when the changes crowd into a
+    few runs of words) and by numpy."""
     rng = np.random.default_rng(width * 1000 + n)
     dt = UINT[width]
     old = rng.integers(0, np.iinfo(dt).max, size=n, dtype=dt, endpoint=True)
@@ -22,10 +25,14 @@ def test_find_changes_matches_naive(width, n, layout):
     new = old.copy()
     k = (n if layout == "dense" else max(1, n // 50)) if n else 0
     idx = rng.choice(n, size=k, replace=False) if n else np.empty(0, dtype=np.int64)
+    if layout == "clustered":  # every element of a few runs: whole groups of eight words differ
+        idx = np.concatenate([np.arange(s, min(n, s + 97)) for s in range(0, n, 1000)]) if n else idx
     new[idx] ^= dt(1)
     if n:
         new[-1] = old[-1] + dt(3)  # the unaligned tail
-    pos, ov, nv = find_changes(old, new)
+    if not numpy and not changes._kernels():
+        pytest.skip("numba is not available")
+    pos, ov, nv = find_changes(old, new, numpy=numpy)
     want = np.flatnonzero(old != new)
     assert pos.dtype == np.int64 and ov.dtype == nv.dtype == dt
     np.testing.assert_array_equal(pos, want)
