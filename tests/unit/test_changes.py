@@ -143,3 +143,15 @@ def test_sparse_sub_pieces_are_the_planes_of_gaps_and_zigzags(width, n):
         got, z = sparse_sub_pieces(pos, ov, nv, numpy=numpy)
         assert [g.tobytes() for g in got] == [w.tobytes() for w in want] and len(got) == 4 + width
         assert z.dtype == dt and z.tobytes() == want_z.tobytes()
+
+
+def test_compiled_loops_load_where_numba_is_installed(monkeypatch):
+    """numba is a dependency: its loops here must compile and pass their smoke run (a loop that
+    gives wrong changes is refused there, and every caller would fall back to numpy unseen)."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("XCLUSTER_NO_NUMBA", raising=False)
+    changes._kernels.cache_clear()
+    try:
+        assert changes._kernels() is not None
+    finally:
+        changes._kernels.cache_clear()

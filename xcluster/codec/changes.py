@@ -22,9 +22,9 @@ def find_changes(old: np.ndarray, new: np.ndarray, *, numpy: bool = False
     old and new values there.
 
     Compared eight bytes at a time (one uint64 word holds 8/width elements): by one compiled
-    pass that tests eight words at once and reads the lanes of those that differ (about 0.4 ns
-    per bf16 element at 1% changed, a quarter less than numpy; as fast where almost nothing
-    changed), or with numpy (``numpy``, or without numba), where the mask and the nonzero scan
+    pass that tests eight words at once and reads the lanes of those that differ without a
+    branch per lane (bf16, 8M elements: 0.4 ns per element at 1% changed, 35-40% less than
+    numpy; about 20% less at 25%; as fast as numpy at 0.01-0.1% and 4-10%), or with numpy (``numpy``, or without numba), where the mask and the nonzero scan
     are 8/width times smaller than per element and the few differing words are gathered once
     and their lanes read from that compact copy.
     """
@@ -67,7 +67,8 @@ def _find(o64, n64, o, n, per, start, pos, ov, nv, k):
     """Changes from word ``start`` on, written at ``pos``/``ov``/``nv[k:]``; returns the word it
     stopped at (``o64.size``: done; less: the outputs may not hold that word's changes) and the
     new ``k``. Eight words are tested at once: at 1% of bf16 elements changed, three in four
-    such groups hold no change."""
+    such groups hold no change. A differing word's lanes are all written and ``k`` advanced by
+    those that changed (a branch per lane mispredicts once changes are dense)."""
     cap = pos.size
     nw = o64.size
     i = start
@@ -76,17 +77,18 @@ def _find(o64, n64, o, n, per, start, pos, ov, nv, k):
         x = ((o64[i] ^ n64[i]) | (o64[i + 1] ^ n64[i + 1]) | (o64[i + 2] ^ n64[i + 2]) | (o64[i + 3] ^ n64[i + 3])
              | (o64[i + 4] ^ n64[i + 4]) | (o64[i + 5] ^ n64[i + 5]) | (o64[i + 6] ^ n64[i + 6])
              | (o64[i + 7] ^ n64[i + 7]))
-        if x != 0:
-            if k + 8 * per > cap:
-                return i, k
-            for w in range(i, i + 8):
-                if o64[w] != n64[w]:
-                    for j in range(w * per, w * per + per):
-                        if o[j] != n[j]:
-                            pos[k] = j
-                            ov[k] = o[j]
-                            nv[k] = n[j]
-                            k += 1
+        if x == 0:
+            i += 8
+            continue
+        if k + 8 * per > cap:
+            return i, k
+        for w in range(i, i + 8):
+            if o64[w] != n64[w]:
+                for j in range(w * per, w * per + per):  # branch-free: every lane written, changed ones kept
+                    pos[k] = j
+                    ov[k] = o[j]
+                    nv[k] = n[j]
+                    k += o[j] != n[j]
         i += 8
     while i < nw:
         if o64[i] != n64[i]:
