@@ -24,9 +24,10 @@ def find_changes(old: np.ndarray, new: np.ndarray, *, numpy: bool = False
     Compared eight bytes at a time (one uint64 word holds 8/width elements): by one compiled
     pass that tests eight words at once and reads the lanes of those that differ without a
     branch per lane (bf16, 8M elements: 0.4 ns per element at 1% changed, 35-40% less than
-    numpy; about 20% less at 25%; as fast as numpy at 0.01-0.1% and 4-10%), or with numpy (``numpy``, or without numba), where the mask and the nonzero scan
-    are 8/width times smaller than per element and the few differing words are gathered once
-    and their lanes read from that compact copy.
+    numpy; about 20% less at 25%; as fast as numpy at 0.01-0.1% and 4-10%), or with numpy
+    (``numpy``, or without numba), where the mask and the nonzero scan are 8/width times
+    smaller than per element and the few differing words are gathered once and their lanes
+    read from that compact copy.
     """
     k = None if numpy else _kernels()
     if k is not None and old.size:
