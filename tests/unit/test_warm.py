@@ -54,7 +54,8 @@ def _probe(env_extra: dict[str, str] | None = None) -> dict:
 @pytest.mark.skipif(not exprank.compiled(), reason="numba missing or turned off: nothing to warm up")
 def test_warm_up_loads_every_decoder_loop_for_every_width_a_fresh_process_would_meet():
     got = _probe()
-    assert got["before"]["select"] == [] and got["before"]["rice"] == 0  # loaded on first call, per type
+    assert got["before"]["select"] in ([], ["uint16"])  # at most the width its check at load ran
+    assert got["before"]["rice"] == 0  # loaded on first call, per type
     assert len(got["before"]["scatter"]) < 3  # its smoke run loads one width
     widths = ["uint16", "uint32", "uint8"]
     assert sorted(got["after"]["select"]) == sorted(widths)

@@ -133,7 +133,8 @@ def read(streams: list[np.ndarray], cursors: list[int], old: np.ndarray, nnz: in
     if err:
         return None
     t = old.dtype.type
-    pos, idx, ok = kern.select(np.ascontiguousarray(old), present, starts, ranks, t(shift), t(mask), ng)
+    select = exprank.select_loop(kern, nnz, old.size)
+    pos, idx, ok = select(np.ascontiguousarray(old), present, starts, ranks, t(shift), t(mask), ng)
     if not ok:
         return None
     z = np.empty(nnz, dtype=old.dtype)
