@@ -55,12 +55,12 @@ class CodecConfig:
     """Write a sparse range as ``sparse-exp2`` (positions coded per exponent group of the base,
     FORMAT.md §5a) where that is smaller than ``sparse-sub``, for bf16, fp16, fp32 and fp8 tensors:
     about 40% fewer bytes per delta on real weights (bench/codec.py --v2 --real). Encoding runs at
-    0.5-0.7× and applying at 0.45-0.6× the speed of ``sparse-sub`` (with numba's compiled
-    loops, 1% changed, 2 cores: 1.3-1.9 GB/s and 1.7-2.6 GB/s of model bytes on a 67 MB
-    transformer-shaped model; on the 45 MB real one 1.1-1.3 and 1.7-2.0 GB/s with 1% of every
-    tensor changed, 1.2-1.4 and 2.0-2.5 GB/s on a real step's delta; applying is one pass over
-    the base's bits per range, at about 1.1 ns per element; numpy alone is several times
-    slower). Ranges with fewer than ``EXP_MIN_CHANGES`` changes, or where it saves under
+    0.5-0.7× and applying at 0.6-0.7× the speed of ``sparse-sub`` (with numba's compiled
+    loops, 1% changed, 2 cores: 1.3-1.9 GB/s and 3.5-3.6 GB/s of model bytes on a 67 MB
+    transformer-shaped model; on the 45 MB real one 1.3-1.4 and 2.4-2.6 GB/s with 1% of every
+    tensor changed, 1.3-1.4 and 2.4-2.55 GB/s on a real step's delta; applying is one pass over
+    the base's bits per range, 64 elements per step (codec/expselect.py), about 0.5 ns per
+    element at 1%; numpy alone is several times slower). Ranges with fewer than ``EXP_MIN_CHANGES`` changes, or where it saves under
     ``EXP_MIN_SAVING`` bits per element, stay ``sparse-sub``. Opt-in
     because a manifest with such a block declares schema 5, which readers older than it refuse:
     turn it on once every subscriber reads schema 5."""
