@@ -61,7 +61,7 @@ def fast():
     plain loop in its place if it disagreed, so a fault would show only as a slower select)."""
     from numba import njit
 
-    return expselect.build(lambda f: njit(nogil=True, cache=False, boundscheck=False, error_model="numpy")(f))
+    return expselect.build(lambda f: njit(nogil=True, cache=False, boundscheck=False, error_model="numpy")(f))[1]
 
 
 def _run(fn, bits, present, starts, ranks, shift, mask):

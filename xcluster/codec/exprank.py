@@ -11,9 +11,10 @@ Two implementations give identical results:
   range's raw bits with eight interleaved histograms, so consecutive elements of one group do not
   wait on each other (the encoder tests once per eight elements whether a change falls among them,
   not once per element); the GIL is released, so ranges decode on several cores at once. The
-  decoder's select is :mod:`.expselect`'s, 64 elements per step by vector masks (about twice as
-  fast on real weights at 1% changed), where it compiles and agrees with the plain loop here when
-  loaded; else the plain loop;
+  decoder's select is in :mod:`.expselect`: a plain loop over every element, and the same pass 64
+  elements per step by vector masks (about twice as fast on real weights at 1% changed), used
+  where it compiles and agrees with the plain loop when loaded, on ranges not denser than
+  :data:`DENSE_RANGE`;
 - numpy: one bitmap per group that holds changes (members packed 64 to a word) with the prefix
   popcounts of its words; one pass over the range per such group.
 
@@ -184,37 +185,9 @@ def _compiled_kernels(cache: bool = True):
                 out[k] += c[lane, present[k]]
         return out
 
-    @njit(**opts)
-    def select(bits, present, starts, ranks, shift, mask, ng):
-        m = ranks.size
-        pos = np.empty(m, np.int64)  # the elements found, in element order
-        idx = np.empty(m, np.int64)  # the index (in change order) of the rank each one has
-        never = np.int64(1) << 62
-        skip = np.full(ng, never, np.int64)  # members of the group to pass before the next one sought
-        ptr = np.zeros(ng, np.int64)
-        end = np.zeros(ng, np.int64)
-        for k in range(present.size):
-            g = present[k]
-            ptr[g] = starts[k]
-            end[g] = starts[k + 1]
-            if starts[k] < starts[k + 1]:
-                skip[g] = ranks[starts[k]]
-        h = 0
-        for i in range(bits.size):
-            g = (bits[i] >> shift) & mask
-            d = skip[g]
-            if d == 0:
-                p = ptr[g]
-                pos[h] = i
-                idx[h] = p
-                h += 1
-                p += 1
-                ptr[g] = p
-                d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else never
-            else:
-                d -= 1
-            skip[g] = d
-        return pos[:h], idx[:h], h == m
+    from . import expselect  # imports numba: only here
+
+    select, masked = expselect.build(njit(**opts))
 
     ctz = np.array([0] + [(i & -i).bit_length() - 1 for i in range(1, 256)], dtype=np.int64)
 
@@ -316,19 +289,16 @@ def _compiled_kernels(cache: bool = True):
             rem[at] = np.uint8(buf & 0xFF)
         return unary, rem
 
-    return Kernels(ranks, sizes, _by_masks(njit(**opts), ranks, select) or select, rice, rice_code, select)
+    return Kernels(ranks, sizes, _checked(masked, ranks, select) or select, rice, rice_code, select)
 
 
-def _by_masks(jit, ranks, plain):
-    """:mod:`.expselect`'s select, checked against the plain loop on a few thousand elements of
-    every case it treats apart (groups in and outside its window, several finds in one block, the
-    last elements); None where it does not compile or disagrees."""
-    from . import expselect
-
+def _checked(masked, ranks, plain):
+    """:mod:`.expselect`'s masked select, checked against the plain loop on a few thousand elements
+    of every case it treats apart (groups in and outside its window, several finds in one block,
+    the last elements); None where it does not compile or disagrees."""
     try:
-        fast = expselect.build(jit)
         rng = np.random.default_rng(5)
-        n = 60 * expselect.BLOCK + 17
+        n = 60 * 64 + 17  # 60 blocks of the masks, and 17 elements after them
         g = np.where(rng.random(n) < 0.97, rng.integers(0x74, 0x7C, n), rng.integers(0, 256, n))
         bits = (g.astype(np.uint16) << np.uint16(7)) | rng.integers(0, 128, n).astype(np.uint16)
         changed = rng.random(n) < 0.025
@@ -339,9 +309,9 @@ def _by_masks(jit, ranks, plain):
         present = np.unique(grp)
         starts = np.append(np.searchsorted(grp[order], present), pos.size).astype(np.int64)
         args = (bits, present, starts, rank[order], np.uint16(7), np.uint16(0xFF), 256)
-        (p1, i1, ok1), (p2, i2, ok2) = fast(*args), plain(*args)
+        (p1, i1, ok1), (p2, i2, ok2) = masked(*args), plain(*args)
         if ok1 and ok2 and np.array_equal(p1, p2) and np.array_equal(i1, i2) and np.array_equal(p1, pos):
-            return fast
+            return masked
     except Exception:  # noqa: BLE001 - any failure to compile or run: the plain loop stays
         pass
     return None
@@ -349,7 +319,8 @@ def _by_masks(jit, ranks, plain):
 
 class Kernels(NamedTuple):
     """The compiled loops (numba dispatchers; other compiled loops may call them). ``select`` is
-    :mod:`.expselect`'s where it compiles and ``plain_select`` otherwise: the same results."""
+    :mod:`.expselect`'s masked select where it compiles and agrees with ``plain_select`` (the
+    plain loop there) when loaded, else the plain loop: the same results."""
 
     ranks: object
     sizes: object

@@ -1,20 +1,20 @@
-"""Select inside exponent groups, 64 elements at a time: the decoder's costly pass made short.
+"""Select inside exponent groups (the decoder's costly pass): element by element, or 64 at a time.
 
 The decoder of ``sparse-exp`` (FORMAT.md §5a) knows, for each group with changes, the ranks of its
-changed members, and must find the elements that hold them. The plain loop (:mod:`.exprank`)
+changed members, and must find the elements that hold them. The plain loop (:func:`_plain`)
 visits every element: it computes the element's group, counts it down and tests for a hit, about
 1 ns an element on real weights, the largest part of applying a delta.
 
-Here a whole block of 64 elements is handled at once. One vector step computes the group of all
-64 and compares them with each group of a **window** of ``WINDOW`` consecutive groups, giving one
-64-bit mask per group (bit ``j``: element ``j`` of the block is a member). A group's count in the
-block is the popcount of its mask, so a group is passed with one subtraction when its next changed
-member lies beyond the block; otherwise the member is the n-th set bit of the mask. Elements whose
-group lies outside the window (rare: on real weights a window of twelve exponents holds 99.9% of
-the elements) have a mask of their own and are counted one by one as before. On the real model at
-1% this is about twice as fast as the plain loop, with the same results in the same order. Where
-more than one element in :data:`.exprank.DENSE_RANGE` changed, most blocks hold a find and the masks
-gain nothing: :mod:`.exprank` gives such ranges to the plain loop.
+:func:`_masked` handles a whole block of 64 elements at once. One vector step computes the group of
+all 64 and compares them with each group of a **window** of ``WINDOW`` consecutive groups, giving
+one 64-bit mask per group (bit ``j``: element ``j`` of the block is a member). A group's count in
+the block is the popcount of its mask, so a group is passed with one subtraction when its next
+changed member lies beyond the block; otherwise the member is the n-th set bit of the mask.
+Elements whose group lies outside the window (rare: on real weights a window of twelve exponents
+holds 99.9% of the elements) have a mask of their own and are counted one by one as before. On the
+real model at 1% this is about twice as fast as the plain loop, with the same results in the same
+order. Where more than one element in :data:`.exprank.DENSE_RANGE` changed, most blocks hold a find
+and the masks gain nothing: :mod:`.exprank` gives such ranges to the plain loop.
 
 The window is the run of ``WINDOW`` groups that holds the most changes: the decoder knows how many
 changes each group has, and changes follow the group sizes, so no pass over the range is spent to
@@ -24,7 +24,8 @@ The vector step and the bit counts are generic LLVM IR (numba's ``@intrinsic``: 
 whose results are read as integers, ``llvm.ctpop``, ``llvm.cttz``), so they compile for any target
 LLVM supports, with AVX-512 or AVX2 where the machine has them. The n-th set bit takes six
 popcount steps (BMI2's ``pdep`` was only 5% faster here and exists on x86 alone). :mod:`.exprank`
-imports this module only once numba imported, and keeps the plain loop where this does not compile.
+imports this module only once numba imported, and keeps the plain loop where the masks do not
+compile or disagree with it.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ the elements outside, 16 spends more on masks than it saves)."""
 _I1, _I32, _I64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
 
 
-def build(jit):
-    """The compiled select: the arguments and results of the plain loop in :mod:`.exprank`;
-    ``jit`` compiles one function. (Module-level functions only: numba keys a cached closure by its
-    cells, which differ from process to process, so a closure would compile anew in each.)"""
-    return jit(_select)
+def build(jit) -> tuple:
+    """``(plain, masked)``: the two compiled selects, the same arguments and results
+    (:func:`.exprank.select_sorted`'s, ``ng`` the number of groups); ``jit`` compiles one function.
+    (Module-level functions only: numba keys a cached closure by its cells, which differ from
+    process to process, so a closure would compile anew in each.)"""
+    return jit(_plain), jit(_masked)
 
 
 @intrinsic
@@ -112,23 +114,59 @@ def _nth(m, r):
     return at
 
 
-def _select(bits, present, starts, ranks, shift, mask, ng):
-    """exprank's select: ``(positions, indices, ok)``."""
-    m = ranks.size
-    pos = np.empty(m, np.int64)  # the elements found, in element order
-    idx = np.empty(m, np.int64)  # the index (in change order) of the rank each one has
-    never = np.int64(1) << 62
-    skip = np.full(ng + WINDOW, never, np.int64)  # members to pass before the next one sought
+_NEVER = 1 << 62
+"""A count-down no element reaches: the group has no more changes to find."""
+
+
+@register_jitable
+def _sought(present, starts, ranks, ng, extra):
+    """Per group (and ``extra`` more, without changes): the members to pass before the next one
+    sought, and the first and end index of its ranks."""
+    skip = np.full(ng + extra, _NEVER, np.int64)
     ptr = np.zeros(ng, np.int64)
     end = np.zeros(ng, np.int64)
-    wanted = np.zeros(ng + WINDOW, np.int64)
     for k in range(present.size):
         g = present[k]
         ptr[g] = starts[k]
         end[g] = starts[k + 1]
-        wanted[g] = starts[k + 1] - starts[k]
         if starts[k] < starts[k + 1]:
             skip[g] = ranks[starts[k]]
+    return skip, ptr, end
+
+
+def _plain(bits, present, starts, ranks, shift, mask, ng):
+    """Every element in turn. Returns ``(positions, indices, ok)`` as :func:`.exprank.select_sorted`."""
+    m = ranks.size
+    pos = np.empty(m, np.int64)  # the elements found, in element order
+    idx = np.empty(m, np.int64)  # the index (in change order) of the rank each one has
+    skip, ptr, end = _sought(present, starts, ranks, ng, 0)
+    h = 0
+    for i in range(bits.size):  # the count-down of _masked's elements outside its window, inline
+        g = (bits[i] >> shift) & mask  # (a compiled helper taking the arrays costs 60 ns a call)
+        d = skip[g]
+        if d == 0:
+            p = ptr[g]
+            pos[h] = i
+            idx[h] = p
+            h += 1
+            p += 1
+            ptr[g] = p
+            d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else _NEVER
+        else:
+            d -= 1
+        skip[g] = d
+    return pos[:h], idx[:h], h == m
+
+
+def _masked(bits, present, starts, ranks, shift, mask, ng):
+    """64 elements per step (the module's docstring); the same results as :func:`_plain`."""
+    m = ranks.size
+    pos = np.empty(m, np.int64)
+    idx = np.empty(m, np.int64)
+    skip, ptr, end = _sought(present, starts, ranks, ng, WINDOW)  # the window may run past ng
+    wanted = np.zeros(ng + WINDOW, np.int64)
+    for k in range(present.size):
+        wanted[present[k]] = starts[k + 1] - starts[k]
     lo = 0  # the window: groups lo .. lo + WINDOW - 1, the run with the most changes
     most = -1
     for a in range(ng):
@@ -139,12 +177,19 @@ def _select(bits, present, starts, ranks, shift, mask, ng):
             most = s
             lo = a
     masks = np.empty(WINDOW + 1, np.uint64)
+    last = np.zeros(BLOCK, bits.dtype)  # the last elements, fewer than a block, and padding
     h = 0
     n = bits.size
-    nb = n - n % BLOCK
     tlo = bits.dtype.type(lo)
-    for i in range(0, nb, BLOCK):
-        _masks(bits, i, shift, mask, tlo, masks)
+    for i in range(0, n, BLOCK):
+        if i + BLOCK <= n:
+            _masks(bits, i, shift, mask, tlo, masks)
+        else:  # the padding's bits are cleared from every mask
+            last[:n - i] = bits[i:]
+            _masks(last, 0, shift, mask, tlo, masks)
+            real = (np.uint64(1) << np.uint64(n - i)) - np.uint64(1)
+            for k in range(WINDOW + 1):
+                masks[k] &= real
         h0 = h
         for k in range(WINDOW):
             g = lo + k
@@ -161,13 +206,13 @@ def _select(bits, present, starts, ranks, shift, mask, ng):
                     p += 1
                     ptr[g] = p
                     t += s + 1
-                    s = ranks[p] - ranks[p - 1] - 1 if p < end[g] else never
+                    s = ranks[p] - ranks[p - 1] - 1 if p < end[g] else _NEVER
                 s -= c - t
             else:
                 s -= c
             skip[g] = s
         rest = masks[WINDOW]
-        while rest:  # outside the window: one by one
+        while rest:  # outside the window: one by one, as _plain counts
             j = i + _lowest(rest)
             rest &= rest - np.uint64(1)
             g = (bits[j] >> shift) & mask
@@ -179,7 +224,7 @@ def _select(bits, present, starts, ranks, shift, mask, ng):
                 h += 1
                 p += 1
                 ptr[g] = p
-                d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else never
+                d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else _NEVER
             else:
                 d -= 1
             skip[g] = d
@@ -193,18 +238,4 @@ def _select(bits, present, starts, ranks, shift, mask, ng):
                 q -= 1
             pos[q + 1] = x
             idx[q + 1] = y
-    for i in range(nb, n):  # the last elements, fewer than a block
-        g = (bits[i] >> shift) & mask
-        d = skip[g]
-        if d == 0:
-            p = ptr[g]
-            pos[h] = i
-            idx[h] = p
-            h += 1
-            p += 1
-            ptr[g] = p
-            d = ranks[p] - ranks[p - 1] - 1 if p < end[g] else never
-        else:
-            d -= 1
-        skip[g] = d
     return pos[:h], idx[:h], h == m
