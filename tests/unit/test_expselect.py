@@ -163,3 +163,21 @@ def test_mask_select_compiles_for_a_generic_cpu():
 def test_block_and_window_fit_the_mask_words():
     assert expselect.BLOCK == 64  # one bit of a uint64 per element
     assert 1 <= expselect.WINDOW < 64
+
+
+@needs_numba
+def test_masks_that_fail_or_disagree_when_loaded_leave_the_plain_loop():
+    k = exprank.kernels()
+
+    def raises(*args):
+        raise RuntimeError("does not compile here")
+
+    def off_by_one(*args):
+        pos, idx, ok = k.plain_select(*args)
+        return pos + 1, idx, ok
+
+    assert exprank._checked(k.select, k.ranks, k.plain_select) is k.select
+    assert exprank._checked(raises, k.ranks, k.plain_select) is None
+    assert exprank._checked(off_by_one, k.ranks, k.plain_select) is None
+    with pytest.raises(RuntimeError):  # a broken plain loop is not hidden: no compiled kernels then
+        exprank._checked(k.select, k.ranks, off_by_one)
