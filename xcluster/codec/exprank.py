@@ -333,10 +333,11 @@ class Kernels(NamedTuple):
 
 
 DENSE_RANGE = 25
-"""Ranges where more than 1 element in ``DENSE_RANGE`` changed are selected by the plain loop, not by
-:mod:`.expselect`'s masks: there most blocks hold a change, and the branches the masks take per
-find cost more than the plain loop's pass (real weights, one thread, bench/rank_select.py: masks
-2-3× faster at 0.1-1% changed, 1.2× at 3%, even at 4-5%, 0.7× at 10%)."""
+"""Ranges where more than 1 element in ``DENSE_RANGE`` changed are selected by the plain loop, not
+by :mod:`.expselect`'s masks: there most blocks hold a change, and the branches the masks take per
+find cost more than the plain loop's pass (real weights, one thread, bench/rank_select.py: the
+masks 2.7-3× as fast at 0.1% changed, 1.8-2.2× at 1%, 1.1-1.2× at 3%, 0.9-1.0× at 5%, 0.7-0.8×
+at 10%)."""
 
 
 def select_loop(kern: Kernels, changes: int, elements: int):
