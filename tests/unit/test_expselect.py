@@ -18,9 +18,11 @@ from xcluster.codec import expselect  # noqa: E402  (imports numba)
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (raw bits, shift, mask) of bf16, fp16, fp32, fp8 e4m3 and e5m2 exponents
-FIELDS = [(np.uint16, 7, 0xFF), (np.uint16, 10, 0x1F), (np.uint32, 23, 0xFF), (np.uint8, 3, 0xF), (np.uint8, 2, 0x1F)]
-LAYOUTS = ["narrow", "wide", "one", "top"]
+# (raw bits, shift, mask) of bf16, fp16, fp32, fp8 e4m3 and e5m2 exponents, and whole bytes as
+# groups (all 256 values of 8 bits: the window's subtraction wraps with no room to spare)
+FIELDS = [(np.uint16, 7, 0xFF), (np.uint16, 10, 0x1F), (np.uint32, 23, 0xFF), (np.uint8, 3, 0xF), (np.uint8, 2, 0x1F),
+          (np.uint8, 0, 0xFF)]
+LAYOUTS = ["narrow", "wide", "one", "top", "ends"]
 
 needs_numba = pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
 
@@ -28,7 +30,8 @@ needs_numba = pytest.mark.skipif(not exprank.compiled(), reason="numba is not im
 def _bits(udt, shift, mask, n, layout, rng):
     """Raw bits whose groups are: ``narrow`` mostly a run of 8 groups (as real weights' exponents
     are), 3% anywhere; ``wide`` anywhere; ``one`` all in one group (many finds per block); ``top``
-    the last three groups (the window runs past the last group)."""
+    the last three groups (the window runs past the last group); ``ends`` the last six and the
+    first four (below a window at the top)."""
     ng = mask + 1
     if layout == "narrow":
         lo = max(0, ng // 2 - 4)
@@ -37,6 +40,8 @@ def _bits(udt, shift, mask, n, layout, rng):
         g = rng.integers(0, ng, n)
     elif layout == "one":
         g = np.full(n, ng // 3)
+    elif layout == "ends":
+        g = np.where(rng.random(n) < 0.9, rng.integers(max(0, ng - 6), ng, n), rng.integers(0, min(4, ng), n))
     else:
         g = rng.integers(max(0, ng - 3), ng, n)
     width = 8 * np.dtype(udt).itemsize
@@ -77,7 +82,7 @@ def test_the_mask_select_is_in_use_where_numba_is_installed():
 
 @needs_numba
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("field", FIELDS, ids=["bf16", "fp16", "fp32", "e4m3", "e5m2"])
+@pytest.mark.parametrize("field", FIELDS, ids=["bf16", "fp16", "fp32", "e4m3", "e5m2", "byte"])
 def test_mask_select_matches_the_plain_loop_and_numpy(fast, field, layout):
     udt, shift, mask = field
     k = exprank.kernels()

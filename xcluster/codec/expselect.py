@@ -73,7 +73,7 @@ def _masks(typingctx, bits, i, shift, mask, lo, out):
 
         v = builder.load(builder.bitcast(builder.gep(data, [i_v]), vt.as_pointer()), align=1)
         d = builder.sub(builder.and_(builder.lshr(v, splat(shift_v)), splat(mask_v)), splat(lo_v))
-        for k in range(WINDOW):  # wraps below lo: those land outside too
+        for k in range(WINDOW):  # below lo wraps past the window (lo <= ng - WINDOW): outside too
             hit = builder.icmp_unsigned("==", d, ir.Constant(vt, [k] * BLOCK))
             builder.store(builder.bitcast(hit, _I64), builder.gep(dest, [ir.Constant(_I64, k)]))
         out = builder.icmp_unsigned(">=", d, ir.Constant(vt, [WINDOW] * BLOCK))
@@ -167,7 +167,9 @@ def _masked(bits, present, starts, ranks, shift, mask, ng):
     wanted = np.zeros(ng + WINDOW, np.int64)
     for k in range(present.size):
         wanted[present[k]] = starts[k + 1] - starts[k]
-    lo = 0  # the window: groups lo .. lo + WINDOW - 1, the run with the most changes
+    # the window: groups lo .. lo + WINDOW - 1, the run with the most changes; ties go to the first,
+    # so lo <= max(0, ng - WINDOW) and a group below lo wraps to WINDOW or more in _masks
+    lo = 0
     most = -1
     for a in range(ng):
         s = 0
