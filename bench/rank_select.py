@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xcluster.codec import exprank  # noqa: E402
+from xcluster.codec.expgroup import group_ranks  # noqa: E402
 from xcluster.dtypes import np_bits  # noqa: E402
 
 DENSITIES = (0.001, 0.01, 0.03, 0.05, 0.1)
@@ -50,11 +51,10 @@ def queries(weights: dict[str, torch.Tensor], density: float, rng: np.random.Gen
     for t in weights.values():
         bits = np_bits(t.contiguous()).reshape(-1)
         pos = np.sort(rng.choice(bits.size, max(1, int(bits.size * density)), replace=False)).astype(np.int64)
-        g, r, _ = exprank.ranks(bits, pos, 7, 0xFF)
-        order = np.lexsort((r, g))
-        present = np.unique(g)
-        starts = np.append(np.searchsorted(g[order], present), pos.size).astype(np.int64)
-        out.append(((bits, present, starts, r[order], SHIFT, MASK, 256), pos))
+        _, ranks, _, counts = group_ranks(bits, pos, "bfloat16")  # as the writer groups them
+        present = np.flatnonzero(counts)
+        starts = np.concatenate([[0], np.cumsum(counts[present])]).astype(np.int64)
+        out.append(((bits, present, starts, ranks, SHIFT, MASK, 256), pos))
     return out
 
 
