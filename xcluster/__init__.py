@@ -20,7 +20,7 @@ _EXPORTS = {
     "open_store": ".store",
 }
 __all__ = sorted(_EXPORTS)
-__version__ = "0.2.0"
+__version__ = "1.0.0"
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 Everything that reads a store's versions — the subscriber, ``xcluster ls/verify/status/gc``, a
 relay — goes through these functions, so a manifest is read one way: at most
-``MAX_MANIFEST_BYTES + 1`` bytes, unpacked when it is stored packed (manifest_object.py), its hash
+``MAX_MANIFEST_BYTES + 1`` bytes, unpacked (one zstd frame, manifest_object.py), its hash
 checked against the link that named it (HEAD or the successor's ``base_manifest_xxh3_128``) before
 it is parsed, its version checked against its key.
 """
@@ -50,9 +50,9 @@ class Link:
 
     @classmethod
     def base_of(cls, m: Manifest) -> Link:
-        """The link a delta holds to its base (schema 1 bases are always ``manifest.json``)."""
-        assert m.base_version is not None and m.base_manifest_xxh3_128 is not None
-        return cls(m.base_version, m.base_manifest or "manifest.json", m.base_manifest_xxh3_128)
+        """The link a delta holds to its base."""
+        assert m.base_version is not None and m.base_manifest is not None and m.base_manifest_xxh3_128 is not None
+        return cls(m.base_version, m.base_manifest, m.base_manifest_xxh3_128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class LinkedManifest:
     data: bytes
     """The canonical JSON (what the link's hash covers)."""
     stored: bytes
-    """The object's bytes as stored (``data`` itself, or its zstd frame for a packed manifest)."""
+    """The object's bytes as stored (the zstd frame of ``data``)."""
 
     @property
     def version(self) -> int:
@@ -108,7 +108,7 @@ def read_manifest(store: Store, link: Link, *, retries: int = 2,
             raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
                                    "(retention removed it?); the next keyframe repairs this") from None
         try:
-            data = unpack(link.manifest, stored, where=where)
+            data = unpack(stored, where=where)
         except DecompressionBombError:
             raise
         except DecodeError as exc:  # a packed manifest garbled in transit: like a hash mismatch, re-read

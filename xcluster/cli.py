@@ -54,7 +54,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             key = manifest_key(v, name)
             data = store.get(key).data
             try:
-                m = parse_manifest(unpack(name, data, where=key), where=key)
+                m = parse_manifest(unpack(data, where=key), where=key)
             except XclusterError as exc:
                 print(f"{v:>8} {'?':<9} {'':>6} {'':>6} {'':>6} {'':>11} {'':>8} {'':>8} {'':<20} unreadable: {exc}")
                 continue

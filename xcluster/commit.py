@@ -5,7 +5,7 @@ docs/FORMAT.md §7 is the protocol. The rules that make it safe whatever interru
 second publisher started by an operator):
 
 - Every attempt writes its own objects: chunks ``c<attempt>-NNNNNN.xc`` and the manifest
-  ``manifest-<attempt>.json``. No attempt ever overwrites or deletes another's.
+  ``manifest-<attempt>.json.zst``. No attempt ever overwrites or deletes another's.
 - HEAD moves only by compare-and-swap on the etag this writer last saw. A lost swap means
   another writer committed: :class:`ConcurrentPublisherError`, nothing deleted.
 - **Once the manifest write has been attempted, nothing of the attempt is ever deleted** by the
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING
 
 from .chain import read_head
 from .errors import ConcurrentPublisherError, PreconditionFailedError, XclusterError
-from .format import (HEAD_KEY, PACKED_HEAD_SCHEMA_VERSION, SCHEMA_VERSION, Head, Manifest, manifest_key,
-                     parse_manifest, xxh3_128)
-from .manifest_object import is_packed, pack
+from .format import HEAD_KEY, Head, Manifest, manifest_key, parse_manifest, xxh3_128
+from .manifest_object import pack
 from .store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,15 +47,14 @@ def seal(manifest: Manifest, manifest_name: str, *, committed_unix_ms: int, run_
          signer: Signer | None, where: str) -> tuple[bytes, Head]:
     """The canonical bytes of ``manifest`` (signed when a signer is given), checked to be what a
     reader takes, and the HEAD that names them (signed too): what :meth:`Committer.commit` writes
-    (packed into one zstd frame when ``manifest_name`` ends in ``.zst``, FORMAT.md §3a)."""
+    (stored as one zstd frame, FORMAT.md §3)."""
     if signer is not None:
         manifest = signer.sign(manifest)
     data = manifest.to_bytes()
     parse_manifest(data, where=where)  # never commit what no reader takes
     head = Head(version=manifest.version, kind=manifest.kind, keyframe_version=manifest.keyframe_version,
                 manifest_xxh3_128=xxh3_128(data), committed_unix_ms=committed_unix_ms, manifest=manifest_name,
-                run_id=run_id,
-                schema_version=PACKED_HEAD_SCHEMA_VERSION if is_packed(manifest_name) else SCHEMA_VERSION)
+                run_id=run_id)
     return data, head if signer is None else signer.sign(head)
 
 
@@ -68,7 +66,7 @@ class CommitOutcome:
     head_bytes: int
     etag: str
     manifest_bytes: int
-    """The manifest object's stored size (packed or not)."""
+    """The manifest object's stored size."""
 
 
 class Committer:
@@ -118,7 +116,7 @@ class Committer:
         mhash = xxh3_128(manifest_data)
         assert mhash == head.manifest_xxh3_128
         key = manifest_key(head.version, head.manifest)
-        stored = pack(head.manifest, manifest_data)
+        stored = pack(manifest_data)
         try:
             self.store.put(key, stored, if_none_match=True, tags=tags)
         except PreconditionFailedError:

@@ -48,8 +48,7 @@ from .dtypes import dtype_name
 from .errors import ConfigError, RankLostError, ShardedPublishError, ShardLayoutError, XclusterError
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifest, Segment,
-                     StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key, manifest_name_for,
-                     schema_for)
+                     StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key, manifest_name_for)
 from .publisher import (MAX_STEP, PublisherConfig, chain_fields, encode_and_upload, keyframe_due,
                         prepare_state, resolve_run_id)
 from .retention import gc
@@ -355,7 +354,7 @@ class ShardedPublisher:
         try:
             file_bytes = self._files.upload()
             manifest = self._assemble(parts, version, is_key, attempt, step)
-            mname = manifest_name_for(attempt, packed=self.config.compress_manifest)
+            mname = manifest_name_for(attempt)
             committed = self._clock()
             mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
                                 signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
@@ -428,8 +427,7 @@ class ShardedPublisher:
                            base_link=self._base_link, keyframe_version=self._keyframe_version),
             step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
             tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
-            changed_elements=sum(p["changed"] for p in parts), files=self._files.entries, run_id=self.run_id,
-            schema_version=schema_for(tensors, blocks))
+            changed_elements=sum(p["changed"] for p in parts), files=self._files.entries, run_id=self.run_id)
 
 
 def _count(entry: dict, offset: int) -> int:

@@ -49,7 +49,17 @@ class FormatError(XclusterError, ValueError):
 
 
 class SchemaVersionError(FormatError):
-    """The object declares a schema version this reader does not know."""
+    """The object declares a format version this reader does not know."""
+
+
+class LegacyFormatError(SchemaVersionError):
+    """The object was written by xcluster before 1.0 (it declares a ``schema_version``): format-1
+    readers do not read it. Read that store with the release that wrote it, or publish anew."""
+
+
+class UnknownEncodingError(SchemaVersionError):
+    """A manifest uses an encoding (named in the message) that this reader does not have:
+    upgrade the reader, or keep the encoding out of the publisher's ``CodecConfig.encodings``."""
 
 
 class UnsafeNameError(FormatError):

@@ -12,52 +12,28 @@ import binascii
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from .dtype_names import DTYPE_NAMES, itemsize
-from .errors import DecompressionBombError, FormatError, SchemaVersionError, UnsafeNameError
+from .errors import (DecompressionBombError, FormatError, LegacyFormatError, SchemaVersionError, UnknownEncodingError,
+                     UnsafeNameError)
 
 SIGNATURE_ALGS = ("ed25519",)
 SIGNATURE_BYTES = 64
 
-SCHEMA_VERSION = 2
-"""What this writer produces. Schema 2 adds per-attempt manifest names (HEAD.manifest,
-Manifest.base_manifest) and non-weight files; schema 1 objects stay readable."""
-PARTS_SCHEMA_VERSION = 3
-"""A manifest with a tensor assembled from parts (``TensorEntry.parts``, written by sharded
-publishers, xcluster/distributed.py) declares schema 3, so that a reader without the per-part
-digest rule refuses it by its schema version instead of by a digest mismatch. HEAD stays at 2."""
-EXP_SCHEMA_VERSION = 4
-"""A manifest with a ``sparse-exp`` block declares schema 4 (schema 3 plus that encoding), so that
-a reader without it refuses the version by its schema version, with an "upgrade" message, before
-fetching anything. HEAD stays at 2."""
-EXP2_SCHEMA_VERSION = 5
-"""A manifest with a ``sparse-exp2`` block (``sparse-exp`` with each group's Rice parameter stored,
-so a reader needs no pass over the base to size the groups) declares schema 5 (schema 4 plus that
-encoding). HEAD stays at 2 (3 when its manifest is packed)."""
-RANS_SCHEMA_VERSION = 6
-"""A manifest with a ``full-rans`` block (whole bf16 values entropy coded, FORMAT.md §5b) declares
-schema 6 (schema 5 plus that encoding), so that a reader without it refuses the version by its
-schema version, with an "upgrade" message. HEAD stays at 2 (3 when its manifest is packed)."""
-FULL_EXP_SCHEMA_VERSION = 7
-"""A manifest with a ``full-exp`` block (whole bf16 values as exponent-window symbol bytes and raw
-bits, FORMAT.md §5c) declares schema 7 (schema 6 plus that encoding). HEAD stays at 2 (3 when its
-manifest is packed)."""
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
-PACKED_HEAD_SCHEMA_VERSION = 3
-"""A HEAD that names a packed manifest (``manifest-<attempt>.json.zst``, one zstd frame of the
-canonical JSON, xcluster/manifest_object.py) declares schema 3, so that a reader that cannot
-unpack it refuses HEAD by its schema version, with an "upgrade" message. Manifests keep theirs."""
-HEAD_SCHEMA_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 1
+"""The one format this package writes and reads (docs/FORMAT.md): manifests, HEAD and leases all
+declare ``"format_version": 1``. What a manifest needs beyond the core is named, not numbered: its
+``encodings`` list (a reader refuses a manifest naming an encoding it lacks, by name). Objects
+written by xcluster before 1.0 carry a ``schema_version`` instead: :class:`LegacyFormatError`."""
 MAX_PARTS = 1 << 16
 """At most this many parts per tensor."""
 MANIFEST_FORMAT = "xcluster-manifest"
 HEAD_FORMAT = "xcluster-head"
 LEASE_FORMAT = "xcluster-lease"
-LEASE_SCHEMA_VERSION = 1
 
 KEYFRAME = "keyframe"
 DELTA = "delta"
@@ -67,25 +43,21 @@ KINDS = (KEYFRAME, DELTA)
 PLANES = "planes"          # full values: byte planes of the raw bits
 SPARSE_SUB = "sparse-sub"  # changed positions (gap planes) + zigzag(new-old) byte planes
 DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in range
-SPARSE_EXP = "sparse-exp"  # changed positions per exponent group of the base (Rice) + packed values
-SPARSE_EXP2 = "sparse-exp2"  # the same, with each group's Rice parameter stored (no group sizes to compute)
-FULL_RANS = "full-rans"    # full bf16 values: exponent and top mantissa bits rANS coded, the rest raw
+SPARSE_EXP2 = "sparse-exp2"  # changed positions per exponent group of the base (Rice) + packed values
 FULL_EXP = "full-exp"      # full bf16 values: exponent (in a window) and top mantissa bits as a byte, the rest raw
-EXP_ENCODINGS = (SPARSE_EXP, SPARSE_EXP2)
-FILL_ENCODINGS = (PLANES, FULL_RANS, FULL_EXP)
+CORE_ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB)
+"""What every format-1 reader reads and every writer may always use (what the others fall back to)."""
+ENCODINGS = (*CORE_ENCODINGS, SPARSE_EXP2, FULL_EXP)
+"""Every encoding this reader knows (docs/FORMAT.md §5)."""
+FILL_ENCODINGS = (PLANES, FULL_EXP)
 """Encodings that carry whole values (the segments of a tensor that starts empty, ``init: none``)."""
-ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB, SPARSE_EXP, SPARSE_EXP2, FULL_RANS, FULL_EXP)
 FULL_DTYPES = ("bfloat16",)
-"""dtypes with the ``full-rans`` and ``full-exp`` encodings."""
-RANS_TABLE_BYTES = 2 * 1024 + 4 * 4
-"""A ``full-rans`` segment's piece of the tables stream: 1024 uint16 frequencies, 4 uint32 word counts."""
-RANS_EXACT = (True, False, True)
-"""Which ``full-rans`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
+"""dtypes with the ``full-exp`` encoding."""
 FULL_EXP_EXACT = (True, True, False, True)
 """Which ``full-exp`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
 EXP_GROUP_BITS = {"bfloat16": 8, "float16": 5, "float32": 8, "float8_e4m3fn": 4, "float8_e4m3fnuz": 4,
                   "float8_e5m2": 5, "float8_e5m2fnuz": 5}
-"""dtypes with a ``sparse-exp`` encoding and the width of their exponent field (2**bits groups)."""
+"""dtypes with a ``sparse-exp2`` encoding and the width of their exponent field (2**bits groups)."""
 EXP_STREAMS = 6
 GAP_WIDTH = 4              # gaps are uint32, 4 byte planes
 
@@ -105,14 +77,14 @@ writers keep ``version - keyframe_version < MAX_CHAIN``, readers may refuse long
 MAX_FILE_BYTES = 256 << 20
 MAX_FILES = 1024
 MAX_LEASE_BYTES = 64 << 10
-V1_MANIFEST_NAME = "manifest.json"
 KIND_TAG = "xcluster-kind"
 """Object tag on every chunk and manifest: ``keyframe`` or ``delta`` (bucket lifecycle rules match it)."""
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,511}")
 _CHUNK_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,99}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
-_MANIFEST_NAME = re.compile(r"manifest\.json|manifest-[a-z0-9]{1,32}\.json(\.zst)?")
+_MANIFEST_NAME = re.compile(r"manifest-[a-z0-9]{1,32}\.json\.zst")
+_ENCODING_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _RUN_ID = re.compile(r"[a-z0-9]{1,32}")
@@ -136,13 +108,12 @@ def check_chunk_name(name: Any) -> str:
 
 def check_manifest_name(name: Any) -> str:
     if not isinstance(name, str) or not _MANIFEST_NAME.fullmatch(name):
-        raise UnsafeNameError(f"manifest name {name!r} is not allowed: manifest.json, or "
-                              "manifest-<1-32 of a-z0-9>.json, or that with .zst appended")
+        raise UnsafeNameError(f"manifest name {name!r} is not allowed: manifest-<1-32 of a-z0-9>.json.zst")
     return name
 
 
 def is_manifest_name(name: str) -> bool:
-    """Whether an object name under ``versions/<V>/`` is a manifest's (of any attempt, packed or not)."""
+    """Whether an object name under ``versions/<V>/`` is a manifest's (of any attempt)."""
     return bool(_MANIFEST_NAME.fullmatch(name))
 
 
@@ -167,16 +138,16 @@ def version_dir(version: int) -> str:
     return f"versions/{version:012d}"
 
 
-def manifest_key(version: int, name: str = V1_MANIFEST_NAME) -> str:
-    """Key of version ``version``'s manifest called ``name`` (schema 1: always manifest.json;
-    schema 2: ``manifest-<attempt>.json``, named by HEAD or by the successor's ``base_manifest``)."""
+def manifest_key(version: int, name: str) -> str:
+    """Key of version ``version``'s manifest called ``name`` (``manifest-<attempt>.json.zst``, named
+    by HEAD or by the successor's ``base_manifest``)."""
     return f"{version_dir(version)}/{check_manifest_name(name)}"
 
 
-def manifest_name_for(attempt: str, *, packed: bool = False) -> str:
-    """The manifest object of a commit attempt: ``manifest-<attempt>.json``, or with ``packed``
-    ``manifest-<attempt>.json.zst`` (the canonical JSON as one zstd frame, FORMAT.md §3a)."""
-    return check_manifest_name(f"manifest-{attempt}.json" + (".zst" if packed else ""))
+def manifest_name_for(attempt: str) -> str:
+    """The manifest object of a commit attempt: ``manifest-<attempt>.json.zst`` (the canonical JSON
+    as one zstd frame, FORMAT.md §3)."""
+    return check_manifest_name(f"manifest-{attempt}.json.zst")
 
 
 def file_key(xxh3: str) -> str:
@@ -269,7 +240,7 @@ class TensorEntry:
     digest: str
     init: str
     parts: tuple[int, ...] | None = None
-    """Schema 3: the tensor was hashed in parts of these many elements, in order (at least two,
+    """The tensor was hashed in parts of these many elements, in order (at least two,
     each >= 1, summing to numel); ``digest`` is then the parts digest (digest.py). None: the
     digest is over the whole tensor."""
 
@@ -330,45 +301,31 @@ class BlockEntry:
 def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...] | list[Segment],
                          groups: tuple[int, ...] | list[int] = ()) -> list[int]:
     """The decoded length of each stream of a block, derived from its segments; for
-    ``sparse-exp`` (``groups``: the number of exponent groups of each segment's dtype) the exact
-    length of the streams the segments fix and an upper bound of the others (FORMAT.md §5), which
-    the decoder makes exact from the block's own side information."""
+    ``sparse-exp2`` (``groups``: the number of exponent groups of each segment's dtype) and
+    ``full-exp`` the exact length of the streams the segments fix and an upper bound of the others
+    (FORMAT.md §5), which the decoder makes exact from the block's own side information."""
     elems = sum(s.count for s in segments)
     nnz = sum(s.nnz for s in segments)
     if encoding == PLANES or encoding == DENSE_SUB:
         return [elems] * width
-    if encoding == FULL_RANS:
-        # the words: four uint32 states and at most one uint16 word per element
-        return [RANS_TABLE_BYTES * len(segments), sum(16 + 2 * s.count for s in segments),
-                sum((6 * s.count + 7) // 8 for s in segments)]
     if encoding == FULL_EXP:
         # a base per segment, a symbol per element, at most one escaped exponent per element
         return [len(segments), elems, elems, sum((6 * s.count + 7) // 8 for s in segments)]
-    if encoding in EXP_ENCODINGS:
+    if encoding == SPARSE_EXP2:
         bitmaps = sum((s.nnz + 7) // 8 for s in segments)
-        per_group = 5 if encoding == SPARSE_EXP2 else 4  # sparse-exp2: + one byte, the Rice parameter
-        return [per_group * sum(groups), sum((s.count + 7) // 8 for s in segments),
+        # per group: its count (uint32) and its Rice parameter (one byte)
+        return [5 * sum(groups), sum((s.count + 7) // 8 for s in segments),
                 sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps, bitmaps, width * nnz]
     return [nnz] * GAP_WIDTH + [nnz] * width
 
 
 EXP_EXACT = (True, False, False, True, True, False)
-"""Which ``sparse-exp`` / ``sparse-exp2`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
+"""Which ``sparse-exp2`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
 
 
-def schema_for(tensors, blocks) -> int:
-    """The schema a writer declares for a manifest of these tensors and blocks: 7 with a
-    ``full-exp`` block, else 6 with a ``full-rans`` block, else 5 with a ``sparse-exp2`` block, else 4 with a ``sparse-exp`` block,
-    else 3 with a tensor in parts, else 2."""
-    if any(b.encoding == FULL_EXP for b in blocks):
-        return FULL_EXP_SCHEMA_VERSION
-    if any(b.encoding == FULL_RANS for b in blocks):
-        return RANS_SCHEMA_VERSION
-    if any(b.encoding == SPARSE_EXP2 for b in blocks):
-        return EXP2_SCHEMA_VERSION
-    if any(b.encoding == SPARSE_EXP for b in blocks):
-        return EXP_SCHEMA_VERSION
-    return PARTS_SCHEMA_VERSION if any(t.parts for t in tensors) else SCHEMA_VERSION
+def encodings_of(blocks) -> tuple[str, ...]:
+    """A manifest's ``encodings``: the encodings of its blocks, sorted, each once."""
+    return tuple(sorted({b.encoding for b in blocks}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,19 +353,23 @@ class Manifest:
     blocks: tuple[BlockEntry, ...]
     changed_elements: int = 0
     base_manifest: str | None = None
-    """Schema 2: the name of the base version's manifest object (null for a keyframe)."""
+    """The name of the base version's manifest object (null for a keyframe)."""
     files: tuple[FileEntry, ...] = ()
-    """Schema 2: the complete set of non-weight files of this version, sorted by name."""
+    """The complete set of non-weight files of this version, sorted by name."""
     prev_manifest: ManifestLink | None = None
-    """Schema 2: the link to version − 1's committed manifest, keyframes included (for a delta it
-    repeats the base link); None for version 1 and in manifests written before the field."""
-    schema_version: int = SCHEMA_VERSION
+    """The link to version − 1's committed manifest, keyframes included (for a delta it repeats the
+    base link); None for version 1."""
     run_id: str | None = None
-    """Optional (schema 2): the training run this version belongs to; a signature covers it."""
+    """Optional: the training run this version belongs to; a signature covers it."""
     signature: Signature | None = None
-    """Optional (schema 2): the publisher's signature over the signed payload."""
+    """Optional: the publisher's signature over the signed payload."""
     signed_payload: bytes | None = field(default=None, repr=False, compare=False)
     """Set by the parser on a signed manifest: the bytes its signature covers."""
+
+    @property
+    def encodings(self) -> tuple[str, ...]:
+        """The encodings this manifest's blocks use (its ``encodings`` field)."""
+        return encodings_of(self.blocks)
 
     @property
     def total_elements(self) -> int:
@@ -425,7 +386,8 @@ class Manifest:
     def to_obj(self) -> dict[str, Any]:
         obj = {
             "format": MANIFEST_FORMAT,
-            "schema_version": self.schema_version,
+            "format_version": FORMAT_VERSION,
+            "encodings": list(self.encodings),
             "version": self.version,
             "kind": self.kind,
             "base_version": self.base_version,
@@ -442,17 +404,16 @@ class Manifest:
                         "streams": [[s.codec, s.stored, s.raw] for s in b.streams],
                         "segments": [[s.tensor, s.start, s.count, s.nnz] for s in b.segments]}
                        for b in self.blocks],
+            "base_manifest": self.base_manifest,
+            "files": [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files],
         }
-        if self.schema_version >= 2:
-            obj["base_manifest"] = self.base_manifest
-            obj["files"] = [{"name": f.name, "size": f.size, "xxh3_128": f.xxh3_128} for f in self.files]
-            p = self.prev_manifest
-            obj["prev_manifest"] = None if p is None else {"version": p.version, "manifest": p.manifest,
-                                                           "xxh3_128": p.xxh3_128}
-            if self.run_id is not None:
-                obj["run_id"] = self.run_id
-            if self.signature is not None:
-                obj["signature"] = self.signature.to_obj()
+        p = self.prev_manifest
+        obj["prev_manifest"] = None if p is None else {"version": p.version, "manifest": p.manifest,
+                                                       "xxh3_128": p.xxh3_128}
+        if self.run_id is not None:
+            obj["run_id"] = self.run_id
+        if self.signature is not None:
+            obj["signature"] = self.signature.to_obj()
         return obj
 
     def payload(self) -> bytes:
@@ -498,8 +459,7 @@ def _list(obj: dict, key: str, where: str) -> list:
     return v
 
 
-def _load_json(data: bytes, where: str, limit: int, fmt: str,
-               versions: tuple[int, ...] = READABLE_SCHEMA_VERSIONS) -> dict:
+def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
     if len(data) > limit:
         raise FormatError(f"{where}: {len(data)} bytes is over the {limit}-byte limit")
     try:
@@ -510,15 +470,39 @@ def _load_json(data: bytes, where: str, limit: int, fmt: str,
         raise FormatError(f"{where}: top level must be a JSON object")
     if obj.get("format") != fmt:
         raise FormatError(f"{where}: 'format' must be {fmt!r}, got {obj.get('format')!r}")
-    sv = obj.get("schema_version")
-    if type(sv) is not int or sv not in versions:
-        raise SchemaVersionError(f"{where}: schema_version {sv!r} is not supported by this reader "
-                                 f"(it reads {', '.join(map(str, versions))}); upgrade xcluster")
+    fv = obj.get("format_version")
+    if fv is None and "schema_version" in obj:
+        raise LegacyFormatError(
+            f"{where}: written by xcluster 0.x (schema_version {obj['schema_version']!r}); this reader reads "
+            f"format {FORMAT_VERSION} only. Read that store with the release that wrote it "
+            "(pip install 'xcluster<1'), or publish a keyframe into a fresh prefix")
+    if type(fv) is not int or fv != FORMAT_VERSION:
+        raise SchemaVersionError(f"{where}: format_version {fv!r} is not supported by this reader (it reads "
+                                 f"{FORMAT_VERSION}); upgrade xcluster")
     return obj
+
+
+def _encodings(obj: dict, where: str) -> tuple[str, ...]:
+    """``encodings``: sorted, distinct names; every one must be known here (else, by name,
+    :class:`UnknownEncodingError`, before anything else of the manifest is looked at)."""
+    raw = obj.get("encodings")
+    if (not isinstance(raw, list) or len(raw) > 64
+            or any(not isinstance(e, str) or not _ENCODING_NAME.fullmatch(e) for e in raw)
+            or raw != sorted(set(raw))):
+        raise FormatError(f"{where}: field 'encodings' must be a sorted list of distinct encoding names, "
+                          f"got {str(raw)[:200]}")
+    unknown = [e for e in raw if e not in ENCODINGS]
+    if unknown:
+        raise UnknownEncodingError(
+            f"{where}: uses encoding {', '.join(map(repr, unknown))}, which this reader does not have (it reads "
+            f"{', '.join(ENCODINGS)}): upgrade xcluster on this node; until every reader has it, publishers "
+            "leave it out of CodecConfig.encodings (docs/FORMAT.md §8)")
+    return tuple(raw)
 
 
 def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     obj = _load_json(data, where, MAX_MANIFEST_BYTES, MANIFEST_FORMAT)
+    encodings = _encodings(obj, where)
     version = _int(obj, "version", where, lo=1)
     kind = _str(obj, "kind", where, choices=KINDS)
     base_version = _int(obj, "base_version", where, lo=1, null=True)
@@ -535,39 +519,34 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                               "base_manifest_xxh3_128")
         if not keyframe_version <= base_version:
             raise FormatError(f"{where}: keyframe_version must be <= base_version")
-    schema = obj["schema_version"]
-    base_manifest = None
-    prev: ManifestLink | None = None
     files: list[FileEntry] = []
-    run_id, (signature, payload) = None, (None, None)
-    if schema >= 2:
-        run_id, (signature, payload) = _run_id(obj, where), _signature(obj, where)
-        base_manifest = obj.get("base_manifest")
-        if kind == KEYFRAME and base_manifest is not None:
-            raise FormatError(f"{where}: a keyframe has no base_manifest")
-        if kind == DELTA:
-            try:
-                check_manifest_name(base_manifest)
-            except UnsafeNameError as exc:
-                raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
-        prev = _parse_prev(obj.get("prev_manifest"), version, where)
-        if kind == DELTA and prev is not None and prev != ManifestLink(base_version, base_manifest, base_mh):
-            raise FormatError(f"{where}: a delta's prev_manifest must repeat its base link (base_version, "
-                              "base_manifest, base_manifest_xxh3_128)")
-        fnames: set[str] = set()
-        raw_files = _list(obj, "files", where)
-        if len(raw_files) > MAX_FILES:
-            raise FormatError(f"{where}: {len(raw_files)} files is over the limit of {MAX_FILES}")
-        for i, f in enumerate(raw_files):
-            fw = f"{where}: files[{i}]"
-            if not isinstance(f, dict):
-                raise FormatError(f"{fw} must be an object")
-            fname = check_file_name(f.get("name"))
-            if fname in fnames:
-                raise FormatError(f"{fw}: duplicate file name {fname!r}")
-            fnames.add(fname)
-            files.append(FileEntry(fname, _int(f, "size", fw, hi=MAX_FILE_BYTES),
-                                   _str(f, "xxh3_128", fw, pattern=_HEX128)))
+    run_id, (signature, payload) = _run_id(obj, where), _signature(obj, where)
+    base_manifest = obj.get("base_manifest")
+    if kind == KEYFRAME and base_manifest is not None:
+        raise FormatError(f"{where}: a keyframe has no base_manifest")
+    if kind == DELTA:
+        try:
+            check_manifest_name(base_manifest)
+        except UnsafeNameError as exc:
+            raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
+    prev = _parse_prev(obj.get("prev_manifest"), version, where)
+    if kind == DELTA and prev is not None and prev != ManifestLink(base_version, base_manifest, base_mh):
+        raise FormatError(f"{where}: a delta's prev_manifest must repeat its base link (base_version, "
+                          "base_manifest, base_manifest_xxh3_128)")
+    fnames: set[str] = set()
+    raw_files = _list(obj, "files", where)
+    if len(raw_files) > MAX_FILES:
+        raise FormatError(f"{where}: {len(raw_files)} files is over the limit of {MAX_FILES}")
+    for i, f in enumerate(raw_files):
+        fw = f"{where}: files[{i}]"
+        if not isinstance(f, dict):
+            raise FormatError(f"{fw} must be an object")
+        fname = check_file_name(f.get("name"))
+        if fname in fnames:
+            raise FormatError(f"{fw}: duplicate file name {fname!r}")
+        fnames.add(fname)
+        files.append(FileEntry(fname, _int(f, "size", fw, hi=MAX_FILE_BYTES),
+                               _str(f, "xxh3_128", fw, pattern=_HEX128)))
 
     tensors: list[TensorEntry] = []
     seen: set[str] = set()
@@ -594,7 +573,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         if kind == KEYFRAME and init != INIT_NONE:
             raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")
         tensors.append(TensorEntry(name, dtype, tuple(shape), _str(t, "digest", tw, pattern=_HEX128), init,
-                                   _parts(t, tw, name, math.prod(shape), schema)))
+                                   _parts(t, tw, name, math.prod(shape))))
 
     chunks: list[ChunkEntry] = []
     names: set[str] = set()
@@ -610,11 +589,11 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         chunks.append(ChunkEntry(cname, _int(c, "size", cw, lo=1, hi=MAX_CHUNK_BYTES),
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))
 
-    blocks = [_parse_block(b, i, where, tensors, chunks) for i, b in enumerate(_list(obj, "blocks", where))]
-    for enc, need in ((SPARSE_EXP, EXP_SCHEMA_VERSION), (SPARSE_EXP2, EXP2_SCHEMA_VERSION),
-                      (FULL_RANS, RANS_SCHEMA_VERSION), (FULL_EXP, FULL_EXP_SCHEMA_VERSION)):
-        if schema < need and any(b.encoding == enc for b in blocks):
-            raise FormatError(f"{where}: a {enc} block needs schema_version {need}, the manifest declares {schema}")
+    blocks = [_parse_block(b, i, where, tensors, chunks, encodings)
+              for i, b in enumerate(_list(obj, "blocks", where))]
+    if encodings_of(blocks) != encodings:
+        raise FormatError(f"{where}: 'encodings' lists {', '.join(encodings) or 'none'}, its blocks use "
+                          f"{', '.join(encodings_of(blocks)) or 'none'}: they must be the same")
     _check_coverage(where, tensors, blocks)
     _check_tiling(where, chunks, blocks)
     changed = _int(obj, "changed_elements", where)
@@ -625,7 +604,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     model_digest=_str(obj, "model_digest", where, pattern=_HEX128),
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
                     changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
-                    prev_manifest=prev, schema_version=schema, run_id=run_id, signature=signature,
+                    prev_manifest=prev, run_id=run_id, signature=signature,
                     signed_payload=payload)
 
 
@@ -647,13 +626,10 @@ def _parse_prev(p: Any, version: int, where: str) -> ManifestLink | None:
     return ManifestLink(pv, name, _str(p, "xxh3_128", pw, pattern=_HEX128))
 
 
-def _parts(t: dict, tw: str, name: str, numel: int, schema: int) -> tuple[int, ...] | None:
+def _parts(t: dict, tw: str, name: str, numel: int) -> tuple[int, ...] | None:
     parts = t.get("parts")
     if parts is None:
         return None
-    if schema < PARTS_SCHEMA_VERSION:
-        raise FormatError(f"{tw} ({name}): 'parts' needs schema_version {PARTS_SCHEMA_VERSION}, the manifest "
-                          f"declares {schema}")
     if (not isinstance(parts, list) or not 2 <= len(parts) <= MAX_PARTS
             or any(type(c) is not int or not 1 <= c <= MAX_TENSOR_ELEMENTS for c in parts)):
         raise FormatError(f"{tw} ({name}): 'parts' must be a list of 2 to {MAX_PARTS} element counts >= 1")
@@ -662,7 +638,8 @@ def _parts(t: dict, tw: str, name: str, numel: int, schema: int) -> tuple[int, .
     return tuple(parts)
 
 
-def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> BlockEntry:
+def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks: list[ChunkEntry],
+                 encodings: tuple[str, ...]) -> BlockEntry:
     bw = f"{where}: blocks[{i}]"
     if not isinstance(b, dict):
         raise FormatError(f"{bw} must be an object")
@@ -670,7 +647,9 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
     if not chunks:
         raise FormatError(f"{bw}: names chunk {chunk} but the manifest has no chunks")
     offset = _int(b, "offset", bw, hi=MAX_CHUNK_BYTES)
-    encoding = _str(b, "encoding", bw, choices=ENCODINGS)
+    encoding = b.get("encoding")
+    if encoding not in encodings:
+        raise FormatError(f"{bw}: encoding {str(encoding)[:80]!r} is not one the manifest's 'encodings' lists")
     width = _int(b, "width", bw, lo=1, hi=8)
     if width not in (1, 2, 4, 8):
         raise FormatError(f"{bw}: width must be 1, 2, 4 or 8")
@@ -694,10 +673,10 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                               f"{te.name} ({te.numel} elements)")
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
-        if encoding in EXP_ENCODINGS and te.dtype not in EXP_GROUP_BITS:
+        if encoding == SPARSE_EXP2 and te.dtype not in EXP_GROUP_BITS:
             raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): that dtype has no exponent "
                               "groups")
-        if encoding in (SPARSE_SUB, *EXP_ENCODINGS):
+        if encoding in (SPARSE_SUB, SPARSE_EXP2):
             # sparse past half the elements is never smaller than dense-sub (writers switch at
             # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
             if not 0 < 2 * nnz <= count:
@@ -705,7 +684,7 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                                   f"(half its count {count}): such ranges are carried as dense-sub")
         elif nnz != count:
             raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
-        if encoding in (FULL_RANS, FULL_EXP) and te.dtype not in FULL_DTYPES:
+        if encoding == FULL_EXP and te.dtype not in FULL_DTYPES:
             raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): only "
                               f"{', '.join(FULL_DTYPES)} tensors have that encoding")
         if (encoding in FILL_ENCODINGS) != (te.init == INIT_NONE):
@@ -713,11 +692,10 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
         segments.append(Segment(t, start, count, nnz))
     if not segments:
         raise FormatError(f"{bw}: a block has at least one segment")
-    exp = encoding in EXP_ENCODINGS
+    exp = encoding == SPARSE_EXP2
     groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if exp else []
     expected = expected_raw_lengths(encoding, width, segments, groups)
-    exact = (EXP_EXACT if exp else RANS_EXACT if encoding == FULL_RANS else FULL_EXP_EXACT if encoding == FULL_EXP
-             else (True,) * len(expected))
+    exact = EXP_EXACT if exp else FULL_EXP_EXACT if encoding == FULL_EXP else (True,) * len(expected)
     if len(streams) != len(expected):
         raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
     for k, (s, e) in enumerate(zip(streams, expected)):
@@ -781,13 +759,12 @@ class Head:
     keyframe_version: int
     manifest_xxh3_128: str
     committed_unix_ms: int
-    manifest: str = V1_MANIFEST_NAME
-    """The name of the version's manifest object under ``versions/<V>/`` (schema 1: manifest.json)."""
-    schema_version: int = SCHEMA_VERSION
+    manifest: str
+    """The name of the version's manifest object under ``versions/<V>/``."""
     run_id: str | None = None
-    """Optional (schema 2): the training run, as in the manifest HEAD names."""
+    """Optional: the training run, as in the manifest HEAD names."""
     signature: Signature | None = None
-    """Optional (schema 2): the publisher's signature: a signed "version V, manifest M, is the
+    """Optional: the publisher's signature: a signed "version V, manifest M, is the
     newest as of committed_unix_ms" statement."""
     signed_payload: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -796,15 +773,14 @@ class Head:
         return manifest_key(self.version, self.manifest)
 
     def to_obj(self) -> dict[str, Any]:
-        obj = {"format": HEAD_FORMAT, "schema_version": self.schema_version,
+        obj = {"format": HEAD_FORMAT, "format_version": FORMAT_VERSION,
                "version": self.version, "kind": self.kind, "keyframe_version": self.keyframe_version,
-               "manifest_xxh3_128": self.manifest_xxh3_128, "committed_unix_ms": self.committed_unix_ms}
-        if self.schema_version >= 2:
-            obj["manifest"] = self.manifest
-            if self.run_id is not None:
-                obj["run_id"] = self.run_id
-            if self.signature is not None:
-                obj["signature"] = self.signature.to_obj()
+               "manifest_xxh3_128": self.manifest_xxh3_128, "committed_unix_ms": self.committed_unix_ms,
+               "manifest": self.manifest}
+        if self.run_id is not None:
+            obj["run_id"] = self.run_id
+        if self.signature is not None:
+            obj["signature"] = self.signature.to_obj()
         return obj
 
     def to_bytes(self) -> bytes:
@@ -816,23 +792,18 @@ class Head:
 
 
 def parse_head(data: bytes, *, where: str = "HEAD") -> Head:
-    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT, versions=HEAD_SCHEMA_VERSIONS)
+    obj = _load_json(data, where, MAX_HEAD_BYTES, HEAD_FORMAT)
+    name = obj.get("manifest")
+    try:
+        check_manifest_name(name)
+    except UnsafeNameError as exc:
+        raise FormatError(f"{where}: field 'manifest' is invalid: {exc}") from None
+    signature, payload = _signature(obj, where)
     head = Head(version=_int(obj, "version", where, lo=1), kind=_str(obj, "kind", where, choices=KINDS),
                 keyframe_version=_int(obj, "keyframe_version", where, lo=1),
                 manifest_xxh3_128=_str(obj, "manifest_xxh3_128", where, pattern=_HEX128),
-                committed_unix_ms=_int(obj, "committed_unix_ms", where),
-                manifest=V1_MANIFEST_NAME, schema_version=obj["schema_version"])
-    if head.schema_version >= 2:
-        name = obj.get("manifest")
-        try:
-            check_manifest_name(name)
-        except UnsafeNameError as exc:
-            raise FormatError(f"{where}: field 'manifest' is invalid: {exc}") from None
-        if name.endswith(".zst") != (head.schema_version >= PACKED_HEAD_SCHEMA_VERSION):
-            raise FormatError(f"{where}: a HEAD of schema {head.schema_version} names manifest {name!r}: schema "
-                              f"{PACKED_HEAD_SCHEMA_VERSION} names a packed manifest (.json.zst), schema 2 a plain one")
-        signature, payload = _signature(obj, where)
-        head = replace(head, manifest=name, run_id=_run_id(obj, where), signature=signature, signed_payload=payload)
+                committed_unix_ms=_int(obj, "committed_unix_ms", where), manifest=name,
+                run_id=_run_id(obj, where), signature=signature, signed_payload=payload)
     if head.keyframe_version > head.version:
         raise FormatError(f"{where}: keyframe_version {head.keyframe_version} > version {head.version}")
     return head
@@ -864,7 +835,7 @@ class Lease:
 
     def to_bytes(self) -> bytes:
         return canonical_json({
-            "format": LEASE_FORMAT, "schema_version": LEASE_SCHEMA_VERSION, "node_id": self.node_id,
+            "format": LEASE_FORMAT, "format_version": FORMAT_VERSION, "node_id": self.node_id,
             "version": self.version, "target_version": self.target_version, "model_digest": self.model_digest,
             "updated_unix_ms": self.updated_unix_ms, "engine_state": self.engine_state,
             "engine_version": self.engine_version,
@@ -876,7 +847,7 @@ ENGINE_STATES = ("none", "ok", "pending", "failing")
 
 
 def parse_lease(data: bytes, *, where: str = "lease") -> Lease:
-    obj = _load_json(data, where, MAX_LEASE_BYTES, LEASE_FORMAT, versions=(LEASE_SCHEMA_VERSION,))
+    obj = _load_json(data, where, MAX_LEASE_BYTES, LEASE_FORMAT)
     err = obj.get("last_error")
     if err is not None and (not isinstance(err, str) or len(err) > 4000):
         raise FormatError(f"{where}: field 'last_error' must be a string of at most 4000 characters")

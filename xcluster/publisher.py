@@ -32,7 +32,7 @@ from .errors import ConfigError, FormatError, XclusterError
 from .failures import raise_first_failure
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
-                     check_tensor_name, chunk_key, manifest_key, manifest_name_for, schema_for)
+                     check_tensor_name, chunk_key, manifest_key, manifest_name_for)
 from .retention import RetentionConfig, gc
 from .signing import load_signer
 from .store import Store, resolve_store
@@ -88,12 +88,6 @@ class PublisherConfig:
     """The training run's id ([a-z0-9], at most 32), written into every manifest and HEAD (and so
     covered by the signature). None: continue the run HEAD names, or start a new random one. A
     different id than HEAD's is refused: one run per prefix."""
-    compress_manifest: bool = False
-    """Store each manifest as one zstd frame of its canonical JSON (``manifest-<attempt>.json.zst``,
-    FORMAT.md §3a): about a fifth of its bytes, which matters for deltas of models with many
-    tensors (the manifest lists every tensor's digest, the delta only the changes). Hashes and
-    signatures are unchanged. Opt-in because such a HEAD declares schema 3, which readers older
-    than it refuse: turn it on once every subscriber (and relay) reads it."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.keyframe_every <= MAX_CHAIN:
@@ -303,7 +297,7 @@ class Publisher:
         is_key = (self._base is None or force_keyframe is True
                   or (force_keyframe is None and self._keyframe_due()))
         attempt = self._attempt_id()
-        mname = manifest_name_for(attempt, packed=cfg.compress_manifest)
+        mname = manifest_name_for(attempt)
         tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
         chunks: list[str] = []
         manifest_attempted = False
@@ -336,8 +330,7 @@ class Publisher:
                                base_link=self._base_link, keyframe_version=self._keyframe_version),
                 step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                 tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id,
-                schema_version=schema_for(encoded.tensors, encoded.blocks))
+                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
             committed = self._clock()
             mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
                                 signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")

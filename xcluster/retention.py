@@ -171,7 +171,7 @@ def _manifests_of(store: Store, version: int) -> list[Manifest]:
     for k in store.list(version_dir(version) + "/"):
         if _is_manifest_key(k):
             try:
-                found.append(parse_manifest(unpack(k, store.get_range(k, 0, MAX_MANIFEST_BYTES + 1), where=k)))
+                found.append(parse_manifest(unpack(store.get_range(k, 0, MAX_MANIFEST_BYTES + 1), where=k)))
             except (XclusterError, ObjectNotFoundError):
                 continue
     return found

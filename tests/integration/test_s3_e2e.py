@@ -11,6 +11,7 @@ import torch
 import xcluster
 from tests.support.faultproxy import KINDS, FaultProxy
 from xcluster.digest import model_digest
+from xcluster.format import CORE_ENCODINGS
 from xcluster.manifest_object import unpack
 from xcluster.retry import RetryPolicy
 from xcluster.store.s3config import MiB
@@ -42,10 +43,9 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         sub_store._prefix, sub_store.url = pub_store._prefix, pub_store.url  # same prefix
         pub = xcluster.Publisher(store=pub_store,
                                  config=xcluster.PublisherConfig(keyframe_every=6))
-        # half-way the trainer restarts with codec v2 and packed manifests (FORMAT.md §3a, §5a, §5c):
-        # a full-exp keyframe, then sparse-exp2 deltas
-        packed = xcluster.PublisherConfig(keyframe_every=6, compress_manifest=True,
-                                          codec=xcluster.CodecConfig(exp_groups=True, exp_full=True))
+        # half-way the trainer restarts allowing only the core encodings (FORMAT.md §8): a planes
+        # keyframe, then sparse-sub deltas, after full-exp and sparse-exp2 ones
+        core = xcluster.PublisherConfig(keyframe_every=6, codec=xcluster.CodecConfig(encodings=CORE_ENCODINGS))
         applied = []
         sub = xcluster.Subscriber(store=sub_store, on_apply=applied.append)
         assert sub.sync() is None  # nothing published yet
@@ -55,7 +55,7 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         for step in range(12):
             state = _state(step, g, state)
             if step == 6:
-                pub = xcluster.Publisher(store=pub_store, config=packed)
+                pub = xcluster.Publisher(store=pub_store, config=core)
             result = pub.publish(state, step=step)
             digests[result.version] = model_digest(state)
             kinds[result.version] = result.kind
@@ -77,7 +77,8 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
     direct = s3_server.store()  # the proxy is gone: look at the objects straight from the server
     direct._prefix, direct.url = pub_store._prefix, pub_store.url
     names = [k.rsplit("/", 1)[1] for k in direct.list("versions/") if "/manifest-" in k]
-    assert sum(n.endswith(".json.zst") for n in names) >= 4 and sum(n.endswith(".json") for n in names) >= 4
-    encodings = {b["encoding"] for k in direct.list("versions/") if k.endswith(".json.zst")
-                 for b in json.loads(unpack(k, direct.get(k).data, where=k))["blocks"]}
-    assert {"full-exp", "sparse-exp2"} <= encodings
+    assert len(names) >= 10 and all(n.endswith(".json.zst") for n in names)
+    encodings = [set(json.loads(unpack(direct.get(k).data, where=k))["encodings"])
+                 for k in sorted(direct.list("versions/")) if "/manifest-" in k]
+    assert {"full-exp", "sparse-exp2"} <= set().union(*encodings[:6])
+    assert set().union(*encodings[6:]) <= set(CORE_ENCODINGS)

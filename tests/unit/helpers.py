@@ -42,3 +42,28 @@ def bf16_weights(n: int, seed: int = 0, scale: float = 0.02):
 
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, generator=gen) * scale).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def manifest_bytes(store, version: int) -> bytes:
+    """The canonical JSON of the committed manifest of ``version`` (stored as one zstd frame)."""
+    from xcluster.manifest_object import unpack
+
+    key = mkey(store, version)
+    return unpack(store.get(key).data, where=key)
+
+
+def put_manifest(store, key: str, canonical: bytes) -> None:
+    """Store ``canonical`` (a manifest's JSON, edited or not) at ``key`` as writers store manifests."""
+    from xcluster.manifest_object import pack
+
+    store.put(key, pack(canonical))
+
+
+def follow_blocks(obj, encodings_before) -> None:
+    """After a test edited a manifest object by hand: its ``encodings`` follow its blocks (as a
+    forger would keep them), unless the edit changed ``encodings`` itself."""
+    if not isinstance(obj, dict) or obj.get("encodings") != encodings_before:
+        return
+    blocks = obj.get("blocks")
+    if isinstance(blocks, list) and all(isinstance(b, dict) and isinstance(b.get("encoding"), str) for b in blocks):
+        obj["encodings"] = sorted({b["encoding"] for b in blocks})

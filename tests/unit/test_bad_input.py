@@ -10,11 +10,12 @@ import torch
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
 from xcluster.errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, DecodeError,
-                             DecompressionBombError, FormatError, SchemaVersionError, TruncatedObjectError,
+                             DecompressionBombError, FormatError, LegacyFormatError, SchemaVersionError,
+                             TruncatedObjectError,
                              UnsafeNameError, XclusterError)
-from xcluster.format import HEAD_KEY, Head, chunk_key, parse_head, parse_manifest, xxh3_128
+from xcluster.format import CORE_ENCODINGS, HEAD_KEY, Head, chunk_key, parse_head, parse_manifest, xxh3_128
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, mkey
+from tests.unit.helpers import assert_state_equal, follow_blocks, manifest_bytes, mkey, put_manifest
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -29,9 +30,10 @@ def weights(step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def env(tmp_path):
     store = LocalStore(tmp_path / "store")
-    # the v1 encodings (sparse-sub, dense-sub) these tests break by hand; sparse-exp's own checks
-    # are in test_roundtrip.py
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100, codec=CodecConfig(exp_groups=False)))
+    # the core encodings (sparse-sub, dense-sub) these tests break by hand; sparse-exp2's own
+    # checks are in test_roundtrip.py
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100,
+                                                        codec=CodecConfig(encodings=CORE_ENCODINGS)))
     sub = Subscriber(store=store)
     pub.publish(weights(0), step=0)
     assert sub.sync() == 1
@@ -41,10 +43,12 @@ def env(tmp_path):
 
 def rewrite_manifest(store, version: int, mutate) -> None:
     """What an attacker with write access would do: change a manifest and keep HEAD consistent."""
-    obj = json.loads(store.get(mkey(store, version)).data)
+    obj = json.loads(manifest_bytes(store, version))
+    before = obj.get("encodings")
     mutate(obj)
+    follow_blocks(obj, before)
     data = json.dumps(obj).encode()
-    store.put(mkey(store, version), data)
+    put_manifest(store, mkey(store, version), data)
     head = parse_head(store.get(HEAD_KEY).data)
     store.put(HEAD_KEY, replace(head, manifest_xxh3_128=xxh3_128(data)).to_bytes())
 
@@ -56,7 +60,7 @@ def assert_untouched(sub, before_digest):
 
 
 def first_chunk(store, version: int) -> str:
-    m = parse_manifest(store.get(mkey(store, version)).data)
+    m = parse_manifest(manifest_bytes(store, version))
     return chunk_key(version, m.chunks[0].name)
 
 
@@ -108,14 +112,15 @@ def test_repaired_chunk_then_applies(env):
     (b"{not json", FormatError),
     (b"\xff\xfe\x00", FormatError),
     (b"[1, 2]", FormatError),
-    (json.dumps({"format": "xcluster-manifest", "schema_version": 99}).encode(), SchemaVersionError),
-    (json.dumps({"format": "something-else", "schema_version": 1}).encode(), FormatError),
+    (json.dumps({"format": "xcluster-manifest", "format_version": 99}).encode(), SchemaVersionError),
+    (json.dumps({"format": "xcluster-manifest", "schema_version": 7}).encode(), LegacyFormatError),
+    (json.dumps({"format": "something-else", "format_version": 1}).encode(), FormatError),
 ])
 def test_manifest_not_json_or_wrong_schema(env, payload, error):
     store, _, sub = env
     before = sub.model_digest
     rewrite_manifest(store, 2, lambda o: None)  # keep HEAD consistent with whatever we write next
-    store.put(mkey(store, 2), payload)
+    put_manifest(store, mkey(store, 2), payload)
     head = parse_head(store.get(HEAD_KEY).data)
     store.put(HEAD_KEY, replace(head, manifest_xxh3_128=xxh3_128(payload)).to_bytes())
     with pytest.raises(error):
@@ -126,9 +131,9 @@ def test_manifest_not_json_or_wrong_schema(env, payload, error):
 def test_manifest_tampered_without_head_is_caught_by_hash(env):
     store, _, sub = env
     before = sub.model_digest
-    obj = json.loads(store.get(mkey(store, 2)).data)
+    obj = json.loads(manifest_bytes(store, 2))
     obj["step"] = 12345
-    store.put(mkey(store, 2), json.dumps(obj).encode())
+    put_manifest(store, mkey(store, 2), json.dumps(obj).encode())
     with pytest.raises(ChecksumMismatchError, match="manifest"):
         sub.sync()
     assert_untouched(sub, before)
@@ -178,7 +183,7 @@ def test_zstd_frame_larger_than_declared_is_a_bomb(env):
 
     store, _, sub = env
     before = sub.model_digest
-    m = json.loads(store.get(mkey(store, 2)).data)
+    m = json.loads(manifest_bytes(store, 2))
     bi = max(range(len(m["blocks"])), key=lambda i: m["blocks"][i]["streams"][0][2])
     blk = m["blocks"][bi]
     codec, stored, raw = blk["streams"][0]
@@ -333,7 +338,7 @@ def test_failing_block_after_applied_blocks_is_fully_undone(tmp_path, workers):
     store = LocalStore(tmp_path)
     pub = Publisher(store=store, config=PublisherConfig(
         keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=1 << 20, dense_threshold=0.05,
-                                              exp_groups=False)))
+                                              encodings=CORE_ENCODINGS)))
     sub = Subscriber(store=store, config=SubscriberConfig(decode_workers=workers))
     g = torch.Generator().manual_seed(9)
     w0 = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
@@ -393,7 +398,7 @@ def test_hostile_bool_bytes_are_refused(env):
     # digests that agree: only the bool rule can catch it
     import numpy as np
     from xcluster.digest import model_digest_from, tensor_digest
-    m = json.loads(store.get(mkey(store, 5)).data)
+    m = json.loads(manifest_bytes(store, 5))
     fi = [t["name"] for t in m["tensors"]].index("flags")
     blk = next(b for b in m["blocks"] if any(s[0] == fi for s in b["segments"]))
     assert blk["width"] == 1

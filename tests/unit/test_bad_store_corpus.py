@@ -24,13 +24,16 @@ import torch
 import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig
+from xcluster.format import CORE_ENCODINGS
 from xcluster.chain import find_link, read_head
 from xcluster.errors import (BaseMismatchError, ChainBrokenError, DecodeError,
-                             DecompressionBombError, DigestMismatchError, FormatError, SchemaVersionError,
+                             DecompressionBombError, DigestMismatchError, FormatError, LegacyFormatError,
+                             SchemaVersionError, UnknownEncodingError,
                              UnsafeNameError, XclusterError)
 from xcluster.format import HEAD_KEY, MAX_MANIFEST_BYTES, MAX_VERSION, chunk_key, version_dir, xxh3_128
+from xcluster.manifest_object import pack, unpack
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, memory_store
+from tests.unit.helpers import assert_state_equal, follow_blocks, memory_store
 
 MiB = 1 << 20
 DEFAULT_MAX_MIB = 24   # a few MiB is what these tiny stores need; every bomb below aims at >= 256 MiB
@@ -58,7 +61,8 @@ class Env:
     head_version: int
 
     def data(self, v: int) -> bytes:
-        return self.store.get(self.keys[v]).data
+        """The canonical JSON of version ``v``'s manifest (stored as one zstd frame)."""
+        return unpack(self.store.get(self.keys[v]).data, where=self.keys[v])
 
     def obj(self, v: int) -> dict:
         return json.loads(self.data(v))
@@ -74,7 +78,7 @@ class Env:
         successors' ``base_manifest_xxh3_128`` and HEAD) consistent, as a writer with bucket
         access could: only the check under test stands between the damage and the reader."""
         data = manifest if isinstance(manifest, bytes) else encode(manifest)
-        self.store.put(self.keys[v], data)
+        self.store.put(self.keys[v], pack(data))
         if not relink:
             return
         if v == self.head_version:
@@ -88,7 +92,9 @@ class Env:
 
     def edit(self, v: int, fn: Callable[[dict], Any]) -> None:
         o = self.obj(v)
+        before = o.get("encodings")
         fn(o)
+        follow_blocks(o, before)
         if isinstance(o, dict) and isinstance(o.get("prev_manifest"), dict) and o.get("kind") == "delta" \
                 and o.get("base_version") == o.get("version", 0) - 1:
             # a delta's prev_manifest repeats its base link: keep them together, as a forger would
@@ -106,9 +112,9 @@ def encode(obj: Any) -> bytes:
 
 
 def build_env(store, *, versions: int = 3, config: SubscriberConfig | None = None) -> Env:
-    # the v1 encodings: the cases edit their streams by hand (sparse-exp: test_fuzz.py, test_roundtrip.py)
+    # the core encodings: the cases edit their streams by hand (sparse-exp2: test_fuzz.py, test_roundtrip.py)
     pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None,
-                                                        codec=CodecConfig(exp_groups=False)))
+                                                        codec=CodecConfig(encodings=CORE_ENCODINGS)))
     sub = Subscriber(store=store, config=config)
     pub.publish(weights(0))
     assert sub.sync() == 1
@@ -222,17 +228,16 @@ def huge_head(e: Env) -> None:
     e.put_head(raw[:-1] + b" " * (64 << 10) + b"}")  # valid JSON, over HEAD's 64 KiB cap
 
 
-def downgrade_to_schema_1(e: Env) -> None:
-    """Version 3 relabelled schema 1: its base link becomes versions/2/manifest.json, which no
-    writer of schema 2 leaves behind."""
-    e.edit(3, lambda o: (o.__setitem__("schema_version", 1), o.pop("base_manifest"), o.pop("files")))
+def relabel_0x(e: Env) -> None:
+    """Version 3 relabelled as a 0.x store's manifest (schema_version 7 instead of format_version)."""
+    e.edit(3, lambda o: (o.pop("format_version"), o.__setitem__("schema_version", 7)))
 
 
 def head_names_other_version(e: Env) -> None:
     """HEAD says version 5 and names a manifest there that holds version 3's bytes."""
     data = e.data(3)
-    e.store.put(f"{version_dir(5)}/manifest-copy.json", data)
-    e.put_head(dict(e.head(), version=5, manifest="manifest-copy.json", manifest_xxh3_128=xxh3_128(data)))
+    e.store.put(f"{version_dir(5)}/manifest-copy.json.zst", pack(data))
+    e.put_head(dict(e.head(), version=5, manifest="manifest-copy.json.zst", manifest_xxh3_128=xxh3_128(data)))
 
 
 def delete_manifest(v: int) -> Callable[[Env], None]:
@@ -243,8 +248,8 @@ def cycle_back_to_head(e: Env) -> None:
     """Version 3's base link is bent back to a copy of version 3 itself (a loop in the chain; the
     hash in the link matches the copy, so only the version check can stop the walk)."""
     copy = e.data(3)
-    e.store.put(f"{version_dir(2)}/manifest-loop.json", copy)
-    e.edit(3, lambda o: o.update(base_manifest="manifest-loop.json", base_manifest_xxh3_128=xxh3_128(copy)))
+    e.store.put(f"{version_dir(2)}/manifest-loop.json.zst", pack(copy))
+    e.edit(3, lambda o: o.update(base_manifest="manifest-loop.json.zst", base_manifest_xxh3_128=xxh3_128(copy)))
 
 
 ZZ = 1 << 16  # elements of the new uint8 tensor the zstd cases fill: a 64 KiB stream
@@ -368,15 +373,21 @@ CASES = [
     C("manifest_object_of_4GiB", huge_manifest_object, FormatError, "over the 67108864-byte limit",
       store="local", max_mib=160),  # one bounded read of 64 MiB + 1 bytes, not 4 GiB
     C("manifest_unknown_format", edit(3, set_at(("format",), "xcluster-head")), FormatError, "'format' must be"),
-    # schema versions
-    C("manifest_schema_8", edit(3, set_at(("schema_version",), 8)), SchemaVersionError, "schema_version 8"),
-    C("manifest_schema_true", edit(3, set_at(("schema_version",), True)), SchemaVersionError,
-      "schema_version True"),
-    C("manifest_schema_missing", edit(3, delete("schema_version")), SchemaVersionError, "schema_version None"),
-    C("manifest_schema_2_0", splice(3, "schema_version", "2.0"), SchemaVersionError, "schema_version 2.0"),
-    C("manifest_downgraded_to_schema_1", downgrade_to_schema_1, ChainBrokenError,
-      r"000000000002/manifest\.json is missing"),
-    C("head_schema_4", edit_head(schema_version=4), SchemaVersionError, "HEAD: schema_version 4"),
+    # format versions and encodings
+    C("manifest_format_2", edit(3, set_at(("format_version",), 2)), SchemaVersionError, "format_version 2"),
+    C("manifest_format_true", edit(3, set_at(("format_version",), True)), SchemaVersionError,
+      "format_version True"),
+    C("manifest_format_missing", edit(3, delete("format_version")), SchemaVersionError, "format_version None"),
+    C("manifest_format_1_0", splice(3, "format_version", "1.0"), SchemaVersionError, "format_version 1.0"),
+    C("manifest_written_by_0x", relabel_0x, LegacyFormatError, r"written by xcluster 0\.x \(schema_version 7\)"),
+    C("manifest_unknown_encoding", edit(3, set_at(("encodings",), ["sparse-sub", "sparse-zz9"])),
+      UnknownEncodingError, "uses encoding 'sparse-zz9'"),
+    C("manifest_encodings_unsorted", edit(3, set_at(("encodings",), ["sparse-sub", "planes"])), FormatError,
+      "sorted list of distinct"),
+    C("manifest_encodings_missing", edit(3, delete("encodings")), FormatError, "'encodings' must be"),
+    C("head_format_4", edit_head(format_version=4), SchemaVersionError, "HEAD: format_version 4"),
+    C("head_written_by_0x", edit_head(schema_version=3, format_version=None), LegacyFormatError,
+      "HEAD: written by xcluster 0.x"),
     C("head_truncated", lambda e: e.put_head(e.store.get(HEAD_KEY).data[:40]), FormatError, "not valid JSON"),
     C("head_over_64KiB", huge_head, FormatError, "over the 65536-byte limit"),
     C("head_wrong_format", edit_head(format="xcluster-manifest"), FormatError, "'format' must be"),
@@ -390,9 +401,9 @@ CASES = [
         "chunk name .* is not allowed")
       for label, name in [("dotdot", "c..xc"), ("parent", ".."), ("slash", "c/../../HEAD"), ("nul", "c\0.xc"),
                           ("absolute", "/c.xc"), ("long", "c" * 101), ("upper", "C.xc"), ("empty", "")]],
-    C("chunk_name_manifest_json", edit(3, set_at(("chunks", 0, "name"), "manifest.json")), FormatError,
+    C("chunk_name_manifest_json", edit(3, set_at(("chunks", 0, "name"), "manifest-a.json.zst")), FormatError,
       "a manifest.s name"),
-    C("base_manifest_escapes", edit(3, set_at(("base_manifest",), "../000000000001/manifest-a.json")),
+    C("base_manifest_escapes", edit(3, set_at(("base_manifest",), "../000000000001/manifest-a.json.zst")),
       FormatError, "'base_manifest' is invalid"),
     C("head_manifest_escapes", edit_head(manifest="../../HEAD"), FormatError, "'manifest' is invalid"),
     C("head_manifest_absolute", edit_head(manifest="/etc/passwd"), FormatError, "'manifest' is invalid"),
@@ -454,7 +465,7 @@ CASES = [
                                                           "xxh3_128": "0" * 32}] * 2)),
       FormatError, "duplicate file name"),
     # version gaps and chains that do not hold together
-    C("head_names_missing_manifest", edit_head(manifest="manifest-gone.json"), ChainBrokenError, "missing"),
+    C("head_names_missing_manifest", edit_head(manifest="manifest-gone.json.zst"), ChainBrokenError, "missing"),
     C("head_version_gap", edit_head(version=7), ChainBrokenError, "missing"),
     C("head_names_another_version", head_names_other_version, FormatError, "says it is version 3"),
     C("chain_gap_missing_base", delete_manifest(2), ChainBrokenError, "missing"),
@@ -462,7 +473,7 @@ CASES = [
     C("delta_on_itself", edit(3, set_at(("base_version",), 3)), FormatError, "base_version = version - 1"),
     C("delta_on_a_later_version", edit(3, set_at(("base_version",), 4)), FormatError,
       "base_version = version - 1"),
-    C("chain_cycle_back_to_head", cycle_back_to_head, FormatError, "manifest-loop.json says it is version 3"),
+    C("chain_cycle_back_to_head", cycle_back_to_head, FormatError, "manifest-loop.json.zst says it is version 3"),
     # keyframe_version that lies
     C("head_keyframe_version_above_version", edit_head(keyframe_version=4), FormatError,
       "keyframe_version 4 > version 3"),
@@ -564,7 +575,7 @@ def test_keyframe_version_that_lies_about_the_held_base(tmp_path):
 
 
 def test_a_chunk_named_like_a_manifest_is_refused(tmp_path):
-    """A chunk object ``manifest-x.json`` would share the directory namespace with manifests
+    """A chunk object ``manifest-x.json.zst`` would share the directory namespace with manifests
     (retention and ``xcluster ls`` would take it for one)."""
     from xcluster import Publisher
     from xcluster.format import parse_manifest
@@ -573,7 +584,7 @@ def test_a_chunk_named_like_a_manifest_is_refused(tmp_path):
     store = LocalStore(tmp_path)
     Publisher(store=store).publish({"w": torch.zeros(4)})
     key = next(k for k in store.list("versions/") if "manifest" in k)
-    obj = json.loads(store.get(key).data)
-    obj["chunks"][0]["name"] = "manifest-x.json"
+    obj = json.loads(unpack(store.get(key).data, where=key))
+    obj["chunks"][0]["name"] = "manifest-x.json.zst"
     with pytest.raises(FormatError, match="a manifest's name"):
         parse_manifest(encode(obj))

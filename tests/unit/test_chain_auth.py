@@ -15,7 +15,8 @@ from xcluster.cli import main
 from xcluster.errors import ChainBrokenError, ChecksumMismatchError, FormatError
 from xcluster.format import parse_manifest, version_dir
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, mkey
+from xcluster.manifest_object import unpack
+from tests.unit.helpers import assert_state_equal, manifest_bytes, mkey
 from tests.unit.test_bad_input import rewrite_manifest, weights
 
 
@@ -45,7 +46,7 @@ def test_replaced_version_behind_the_keyframe_is_refused(tmp_path):
     publish(store)
     key = mkey(store, 1)  # before the forgery: the committed manifest's name
     forge_version_1(store, tmp_path)
-    assert parse_manifest(store.get(key).data).version == 1  # a well-formed, self-consistent v1
+    assert parse_manifest(unpack(store.get(key).data, where=key)).version == 1  # a well-formed, self-consistent v1
     sub = Subscriber(store=store)
     with pytest.raises(ChecksumMismatchError, match="replaced"):
         sub.sync(until=1)
@@ -63,12 +64,12 @@ def test_old_versions_are_reached_through_keyframes(tmp_path):
         assert sub.sync(until=v) == v
         assert_state_equal(sub.state_dict(), weights(v))
         assert find_link(store, head, v).version == v
-    m3 = parse_manifest(store.get(mkey(store, 3)).data)
-    m2 = parse_manifest(store.get(mkey(store, 2)).data)
+    m3 = parse_manifest(manifest_bytes(store, 3))
+    m2 = parse_manifest(manifest_bytes(store, 2))
     assert m3.kind == "keyframe" and m3.prev_manifest is not None
     assert (m3.prev_manifest.version, m3.prev_manifest.manifest) == (2, mkey(store, 2).rsplit("/", 1)[1])
     assert m2.prev_manifest is not None and m2.prev_manifest.version == m2.base_version
-    assert parse_manifest(store.get(mkey(store, 1)).data).prev_manifest is None
+    assert parse_manifest(manifest_bytes(store, 1)).prev_manifest is None
 
 
 def test_walk_to_an_old_version_is_bounded(tmp_path):
@@ -103,7 +104,7 @@ def test_store_without_prev_links_refuses_old_versions(tmp_path):
 def test_bad_prev_manifest_is_a_format_error(tmp_path, mutate):
     store = LocalStore(tmp_path / "s")
     publish(store, keyframes=(), n=3)
-    obj = json.loads(store.get(mkey(store, 3)).data)
+    obj = json.loads(manifest_bytes(store, 3))
     mutate(obj)
     with pytest.raises(FormatError):
         parse_manifest(json.dumps(obj).encode())

@@ -3,7 +3,7 @@ import torch
 from xcluster import Publisher, PublisherConfig
 from xcluster.cli import main
 from xcluster.format import chunk_key, parse_manifest
-from tests.unit.helpers import mkey
+from tests.unit.helpers import manifest_bytes
 from xcluster.store import LocalStore
 
 
@@ -43,7 +43,7 @@ def test_verify_ok_and_version(tmp_path, capsys):
 def test_verify_detects_corruption(tmp_path, capsys):
     publish(tmp_path)
     store = LocalStore(tmp_path)
-    m = parse_manifest(store.get(mkey(store, 3)).data)
+    m = parse_manifest(manifest_bytes(store, 3))
     key = chunk_key(3, m.chunks[0].name)
     data = bytearray(store.get(key).data)
     data[-1] ^= 1

@@ -11,7 +11,8 @@ from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.errors import ConcurrentPublisherError, StoreError
 from xcluster.format import HEAD_KEY, parse_head, parse_manifest
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, mkey
+from xcluster.manifest_object import unpack
+from tests.unit.helpers import assert_state_equal, manifest_bytes, mkey, put_manifest
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -83,8 +84,8 @@ def test_a_restarted_publisher_is_not_refused_by_its_predecessors_leftovers(tmp_
     now = [1000.0]
     Publisher(store=store, clock=lambda: now[0]).publish(weights(0))
     # the predecessor's leftovers: chunks and a complete manifest for version 2, HEAD still at 1
-    manifest_v2 = dict(json.loads(store.get(mkey(store, 1)).data), version=2, keyframe_version=2)
-    store.put("versions/000000000002/manifest-deadbeef.json", json.dumps(manifest_v2).encode())
+    manifest_v2 = dict(json.loads(manifest_bytes(store, 1)), version=2, keyframe_version=2)
+    put_manifest(store, "versions/000000000002/manifest-deadbeef.json.zst", json.dumps(manifest_v2).encode())
     store.put("versions/000000000002/cdeadbeef-000000.xc", b"partial")
     sub = Subscriber(store=store)
     assert sub.sync() == 1  # the leftovers are invisible
@@ -93,8 +94,8 @@ def test_a_restarted_publisher_is_not_refused_by_its_predecessors_leftovers(tmp_
     assert sub.sync() == 2
     assert_state_equal(sub.state_dict(), weights(1))
     # the leftovers are untouched (retention's business), the committed manifest is another object
-    assert store.get("versions/000000000002/manifest-deadbeef.json").data == json.dumps(manifest_v2).encode()
-    assert mkey(store, 2) != "versions/000000000002/manifest-deadbeef.json"
+    assert unpack(store.get("versions/000000000002/manifest-deadbeef.json.zst").data, where="m") == json.dumps(manifest_v2).encode()
+    assert mkey(store, 2) != "versions/000000000002/manifest-deadbeef.json.zst"
 
 
 def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path):
@@ -246,7 +247,7 @@ def test_publish_result_accounts_every_byte(tmp_path):
     objects = store.list("versions/000000000002/")
     on_disk = sum(store.stat(k).size for k in objects) + store.stat(HEAD_KEY).size
     assert res.bytes_written == on_disk
-    m = parse_manifest(store.get(mkey(store, 2)).data)
+    m = parse_manifest(manifest_bytes(store, 2))
     assert res.changed_elements == m.changed_elements == 300 + 1  # 300 weights and the step counter
     assert res.kind == "delta" and res.base_version == 1
 
@@ -384,9 +385,8 @@ class LandedThenPreconditionStore(FailingStore):
         return self.inner.put(key, data, **kw)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_a_manifest_write_that_landed_before_its_retry_counts_as_written(tmp_path, packed):
-    cfg = PublisherConfig(compress_manifest=packed)
+def test_a_manifest_write_that_landed_before_its_retry_counts_as_written(tmp_path):
+    cfg = PublisherConfig()
     store = LandedThenPreconditionStore(LocalStore(tmp_path / "a"))
     res = Publisher(store=store, config=cfg).publish(weights(0))
     assert res.version == 1 and Subscriber(store=store.inner).sync() == 1

@@ -26,7 +26,7 @@ from tests.unit.test_roundtrip import perturb, random_tensor, ulp_steps
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
-SMALL = dict(block_bytes=4096, chunk_bytes=8192, exp_groups=True)  # ranges of 4096 / width elements: tensors span several
+SMALL = dict(block_bytes=4096, chunk_bytes=8192)  # ranges of 4096 / width elements: tensors span several
 
 
 def _extremes(dt: torch.dtype, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,11 +124,11 @@ READERS = ("one call", "compiled", "numpy")
 around the compiled Rice decoder and select, or numpy alone."""
 
 
-def _decode(pieces, olds, nnzs, dtype, udt, stored_k, reader):
+def _decode(pieces, olds, nnzs, dtype, udt, reader):
     from xcluster.codec import expgroup
     from xcluster.errors import DecodeError
 
-    r = expgroup.SegmentReader([p.copy() for p in pieces], np.dtype(udt).itemsize, "t", stored_k=stored_k)
+    r = expgroup.SegmentReader([p.copy() for p in pieces], np.dtype(udt).itemsize, "t")
     r.compiled = reader != "numpy"
     r.one_call = r.one_call and reader == "one call"
     try:
@@ -143,9 +143,9 @@ def _decode(pieces, olds, nnzs, dtype, udt, stored_k, reader):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(field=st.sampled_from([("bfloat16", np.uint16), ("float32", np.uint32), ("float8_e4m3fn", np.uint8)]),
        sizes=st.lists(st.integers(2, 4000), min_size=1, max_size=3), density=st.sampled_from([0.002, 0.03, 0.3]),
-       seed=st.integers(0, 2**31), stored_k=st.booleans())
-def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, stored_k):
-    """A block of 1-3 sparse-exp(2) segments decodes to the same changes read in one compiled call,
+       seed=st.integers(0, 2**31))
+def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed):
+    """A block of 1-3 sparse-exp2 segments decodes to the same changes read in one compiled call,
     with the compiled Rice decoder and select, and with numpy alone; with a bit flipped anywhere,
     all refuse it or all decode the same."""
     from xcluster.codec import expgroup
@@ -163,14 +163,14 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
             pos = np.array([n // 2])
         new = old.copy()
         new[pos] += np.where(rng.random(pos.size) < 0.9, 1, 3 << (info.bits - 3)).astype(udt)
-        seg_pieces.append(expgroup.build(old, pos, zigzag_diff(old[pos], new[pos]), dtype, stored_k=stored_k))
+        seg_pieces.append(expgroup.build(old, pos, zigzag_diff(old[pos], new[pos]), dtype))
         olds.append(old)
         nnzs.append(pos.size)
     pieces = [np.concatenate([np.ascontiguousarray(p[i]).view(np.uint8) for p in seg_pieces])
               for i in range(expgroup.N_STREAMS)]
-    good = _decode(pieces, olds, nnzs, dtype, udt, stored_k, READERS[0])
+    good = _decode(pieces, olds, nnzs, dtype, udt, READERS[0])
     assert good is not None
-    assert all(good == _decode(pieces, olds, nnzs, dtype, udt, stored_k, r) for r in READERS[1:])
+    assert all(good == _decode(pieces, olds, nnzs, dtype, udt, r) for r in READERS[1:])
     for _ in range(12):
         s = int(rng.integers(0, len(pieces)))
         if pieces[s].size == 0:
@@ -178,8 +178,8 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed, sto
         bad = [p.copy() for p in pieces]
         bit = int(rng.integers(0, 8 * bad[s].size))
         bad[s][bit // 8] ^= np.uint8(1 << (bit % 8))
-        got = _decode(bad, olds, nnzs, dtype, udt, stored_k, READERS[0])
-        assert all(got == _decode(bad, olds, nnzs, dtype, udt, stored_k, r) for r in READERS[1:])
+        got = _decode(bad, olds, nnzs, dtype, udt, READERS[0])
+        assert all(got == _decode(bad, olds, nnzs, dtype, udt, r) for r in READERS[1:])
 
 
 @pytest.mark.skipif(not exprank.compiled(), reason="numba is not importable here")
@@ -245,12 +245,11 @@ def test_sparse_exp2_segments_are_read_in_one_compiled_call(monkeypatch):
     calls = []
     real = expread.read
     monkeypatch.setattr(expread, "read", lambda *a: calls.append(1) or real(*a))
-    for stored_k in (True, False):
-        r = expgroup.SegmentReader(expgroup.build(old, pos, z, "float32", stored_k=stored_k), 4, "t", stored_k=stored_k)
-        got, gz = r.segment(old, pos.size, "float32", np.uint32)
-        r.finish()
-        assert np.array_equal(got, pos) and np.array_equal(gz, z)
-        assert r.one_call == stored_k and len(calls) == 1  # the sparse-exp2 segment's, first
+    r = expgroup.SegmentReader(expgroup.build(old, pos, z, "float32"), 4, "t")
+    got, gz = r.segment(old, pos.size, "float32", np.uint32)
+    r.finish()
+    assert np.array_equal(got, pos) and np.array_equal(gz, z)
+    assert r.one_call and len(calls) == 1
     monkeypatch.setattr(expread, "_kernels", lambda: None)
     r = expgroup.SegmentReader(expgroup.build(old, pos, z, "float32"), 4, "t")
     got, gz = r.segment(old, pos.size, "float32", np.uint32)

@@ -1,5 +1,5 @@
-"""Whole bf16 values written as ``full-rans`` (FORMAT.md §5b) or ``full-exp`` (§5c), through the
-publisher and the subscriber: the same expectations of both."""
+"""Whole bf16 values written as ``full-exp`` (FORMAT.md §5e), through the publisher and the
+subscriber."""
 
 from __future__ import annotations
 
@@ -14,27 +14,23 @@ from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
 from xcluster.codec import encode as encode_mod
-from xcluster.codec import fullexp, rans
+from xcluster.codec import fullexp
 from xcluster.codec.decode import Fill, decode_block
 from xcluster.codec.encode import encode_version
 from xcluster.dtypes import flat_bits, torch_dtype
-from xcluster.errors import DecodeError, FormatError, SchemaVersionError
-from xcluster.format import FULL_EXP, FULL_EXP_SCHEMA_VERSION, FULL_RANS, PLANES, RANS_SCHEMA_VERSION
-from tests.unit.helpers import assert_state_equal, memory_store, mkey
+from xcluster.errors import DecodeError, DecompressionBombError, FormatError, UnknownEncodingError
+from xcluster.format import CORE_ENCODINGS, FULL_EXP, PLANES
+from tests.unit.helpers import assert_state_equal, manifest_bytes, memory_store
 from tests.unit.test_roundtrip import SMALL, perturb, random_tensor
 from tests.unit.test_roundtrip import roundtrip as publish_roundtrip
 
-AVAILABLE = [FULL_EXP] + ([FULL_RANS] if rans.compiled() else [])
-"""full-rans is written only with numba's compiled loops."""
-ENCODINGS = [FULL_EXP, pytest.param(FULL_RANS, marks=pytest.mark.skipif(
-    not rans.compiled(), reason="numba unavailable: writers do not write full-rans"))]
-FLAG = {FULL_RANS: "rans_full", FULL_EXP: "exp_full"}
-SCHEMA = {FULL_RANS: RANS_SCHEMA_VERSION, FULL_EXP: FULL_EXP_SCHEMA_VERSION}
-PIECES = {FULL_RANS: lambda bits: list(rans.encode(bits)), FULL_EXP: fullexp.encode}
+AVAILABLE = [FULL_EXP]
+ENCODINGS = [FULL_EXP]
+PIECES = {FULL_EXP: fullexp.encode}
 
 
 def codec(encoding: str, **kw) -> CodecConfig:
-    return CodecConfig(**{FLAG[encoding]: True}, **kw)
+    return CodecConfig(**kw)  # the default allows every encoding
 
 
 def state(gen):
@@ -65,7 +61,7 @@ def test_keyframes_and_new_tensors_are_coded_and_late_joiners_agree(encoding):
     gen = torch.Generator().manual_seed(1)
     cur = state(gen)
     store = memory_store()
-    cfg = codec(encoding, exp_groups=True, block_bytes=32 << 10, chunk_bytes=64 << 10)
+    cfg = codec(encoding, block_bytes=32 << 10, chunk_bytes=64 << 10)
     pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=cfg))
     follower = Subscriber(store=store)
     joiners = []
@@ -80,7 +76,7 @@ def test_keyframes_and_new_tensors_are_coded_and_late_joiners_agree(encoding):
             joiners.append(Subscriber(store=store))
             assert coded(m, encoding) == {"w", "emb"} | ({"new"} if "new" in cur else set())
             assert coded(m, PLANES) == {"ones", "f32", "f16", "tiny"}
-            assert m.schema_version == SCHEMA[encoding]
+            assert m.encodings == (FULL_EXP, PLANES)
         else:
             assert coded(m, encoding) == ({"new"} if i == 4 else set())
         for j in joiners:
@@ -90,33 +86,21 @@ def test_keyframes_and_new_tensors_are_coded_and_late_joiners_agree(encoding):
     assert len(joiners) == 3
 
 
-@pytest.mark.skipif(not rans.compiled(), reason="numba unavailable: full-rans is not written")
-def test_with_both_flags_the_smallest_is_written():
-    sd = state(torch.Generator().manual_seed(6))
-    sizes = {}
-    for flags in ((FULL_EXP,), (FULL_RANS,), (FULL_EXP, FULL_RANS)):
-        _, res, m = published(sd, CodecConfig(**{FLAG[e]: True for e in flags}))
-        sizes[flags] = (res.bytes_written, {b.encoding for b in m.blocks}, m.schema_version)
-    for e in (FULL_EXP, FULL_RANS):
-        assert sizes[(e,)][1:] == ({e, PLANES}, SCHEMA[e])
-    both = sizes[FULL_EXP, FULL_RANS]
-    assert both[0] <= min(sizes[(FULL_EXP,)][0], sizes[(FULL_RANS,)][0]) + 200  # + a longer manifest
-    assert both[1] & {FULL_EXP, FULL_RANS}
-
-
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_old_readers_and_bad_manifests_are_refused(encoding):
     from xcluster import format as fmt
 
     store, _, _ = published(state(torch.Generator().manual_seed(3)), codec(encoding))
-    data = store.get(mkey(store, 1)).data
+    data = manifest_bytes(store, 1)
     obj = json.loads(data)
-    schema = SCHEMA[encoding]
-    assert obj["schema_version"] == schema
-    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of the schemas before
-        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=tuple(range(1, schema)))
-    with pytest.raises(FormatError, match=f"a {encoding} block needs schema_version {schema}"):
-        fmt.parse_manifest(fmt.canonical_json(dict(obj, schema_version=schema - 1)))
+    assert obj["encodings"] == [FULL_EXP, PLANES]
+    with mock.patch.object(fmt, "ENCODINGS", CORE_ENCODINGS):  # a reader without the encoding
+        with pytest.raises(UnknownEncodingError, match=f"uses encoding '{encoding}'"):
+            fmt.parse_manifest(data)
+    with pytest.raises(FormatError, match=f"encoding '{encoding}' is not one the manifest's 'encodings' lists"):
+        fmt.parse_manifest(fmt.canonical_json(dict(obj, encodings=[PLANES])))
+    with pytest.raises(FormatError, match="its blocks use"):
+        fmt.parse_manifest(fmt.canonical_json(dict(obj, encodings=sorted([FULL_EXP, PLANES, "sparse-sub"]))))
 
     def block(o):
         return [b for b in o["blocks"] if b["encoding"] == encoding][0]
@@ -127,11 +111,11 @@ def test_old_readers_and_bad_manifests_are_refused(encoding):
     with pytest.raises(FormatError, match="only bfloat16"):
         fmt.parse_manifest(fmt.canonical_json(bad))
     # a declared raw length other than the segments fix: the raw fields, then the symbols
-    for stream in ((2,) if encoding == FULL_RANS else (3, 1)):
+    for stream in (3, 1):
         for delta in (1, -1):
             bad = json.loads(data)
             block(bad)["streams"][stream][2] += delta
-            with pytest.raises(Exception, match=f"stream {stream} declares"):
+            with pytest.raises((FormatError, DecompressionBombError), match=f"stream {stream} declares"):
                 fmt.parse_manifest(fmt.canonical_json(bad))
 
 
@@ -171,7 +155,7 @@ def test_property_keyframes_any_dtype_shape(encoding, dtype, shape, density, see
     for _ in range(3):
         cur = {k: perturb(v, density, gen) for k, v in cur.items()}
         versions.append(cur)
-    cfg = replace(SMALL, **{FLAG[encoding]: True})
+    cfg = SMALL
     if force:  # every length, down to one element
         with mock.patch.object(encode_mod, "_full", lambda planes, bits, cfg: (encoding, PIECES[encoding](bits))), \
                 mock.patch.object(encode_mod, "FULL_MIN_ELEMENTS", 1):

@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
-from xcluster.codec import fullexp, rans, streams
+from xcluster.codec import fullexp, streams
 from xcluster.codec.encode import encode_version
 from xcluster.errors import DecodeError, DecompressionBombError
-from xcluster.format import FULL_EXP, FULL_EXP_SCHEMA_VERSION, PLANES
+from xcluster.format import CORE_ENCODINGS, FULL_EXP, PLANES
 from tests.unit.helpers import bf16_weights as weights
-from tests.unit.helpers import memory_store, mkey
+from tests.unit.helpers import manifest_bytes, memory_store
 from tests.unit.test_full_values import published, state
 
 LOOPS = [False, True] if fullexp.compiled() else [True]
@@ -42,7 +42,7 @@ def roundtrip(u: np.ndarray) -> list[np.ndarray]:
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 4096, 4099, 100_003, fullexp.PIECE + 5])
 def test_roundtrip_every_length(n):
     base, sym, esc, raw = roundtrip(weights(n, seed=n))
-    assert base.size == 1 and sym.size == n and raw.size == rans.raw_bytes(n)
+    assert base.size == 1 and sym.size == n and raw.size == fullexp.raw_bytes(n)
 
 
 @pytest.mark.parametrize("kind", ["constant", "zeros", "every-value", "random-bits", "specials", "wide"])
@@ -256,16 +256,16 @@ def test_without_the_flag_planes_are_written_and_numpy_writes_the_same():
     gen = torch.Generator().manual_seed(2)
     sd = state(gen)
     store = memory_store()
-    Publisher(store=store, config=PublisherConfig(codec=CodecConfig())).publish(sd)
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(encodings=CORE_ENCODINGS))).publish(sd)
     sub = Subscriber(store=store)
     sub.sync()
     assert {b.encoding for b in sub.manifest.blocks} == {PLANES}
-    assert sub.manifest.schema_version < FULL_EXP_SCHEMA_VERSION
+    assert sub.manifest.encodings == (PLANES,)
 
     def objects():
         chunks: list = []
         enc = encode_version(sd, {n: f"{i:032x}" for i, n in enumerate(sorted(sd))}, None,
-                             CodecConfig(exp_full=True), lambda e, d: chunks.append((e, bytes(d))))
+                             CodecConfig(), lambda e, d: chunks.append((e, bytes(d))))
         return chunks, enc.blocks
 
     want = objects()
@@ -277,8 +277,8 @@ def test_without_the_flag_planes_are_written_and_numpy_writes_the_same():
 def test_more_escapes_than_elements_is_a_bomb():
     from xcluster import format as fmt
 
-    store, _, _ = published(state(torch.Generator().manual_seed(3)), CodecConfig(exp_full=True))
-    bad = json.loads(store.get(mkey(store, 1)).data)
+    store, _, _ = published(state(torch.Generator().manual_seed(3)), CodecConfig())
+    bad = json.loads(manifest_bytes(store, 1))
     blk = [b for b in bad["blocks"] if b["encoding"] == FULL_EXP][0]
     blk["streams"][2][2] = sum(s[2] for s in blk["segments"]) + 1
     with pytest.raises(DecompressionBombError, match="stream 2 declares"):

@@ -31,6 +31,7 @@ from xcluster.dtypes import torch_dtype
 from xcluster.errors import DecodeError, XclusterError
 from xcluster.format import (DENSE_SUB, HEAD_KEY, PLANES, SPARSE_EXP2, SPARSE_SUB, Lease, chunk_key, expected_raw_lengths,
                              parse_head, parse_lease, parse_manifest, xxh3_128)
+from xcluster.manifest_object import unpack
 from tests.unit.helpers import memory_store
 
 MiB = 1 << 20
@@ -67,7 +68,7 @@ def written() -> Written:
     store = memory_store()
     pub = Publisher(store=store, config=PublisherConfig(
         keyframe_every=100, keyframe_chain_fraction=None,
-        codec=CodecConfig(block_bytes=4096, chunk_bytes=8192, dense_threshold=0.3, exp_groups=True)))
+        codec=CodecConfig(block_bytes=4096, chunk_bytes=8192, dense_threshold=0.3)))
     pub.publish(_state(0))
     # sparse-exp2 even for a.bf16's 21 changes (writers try it from EXP_MIN_CHANGES on; a reader
     # decodes a segment of any size), so this small corpus holds a block of it
@@ -76,7 +77,8 @@ def written() -> Written:
     head, _ = read_head(store)
     manifests, chunks = {}, {}
     for v in (1, 2):
-        manifests[v] = store.get(find_link(store, head, v).key).data
+        key = find_link(store, head, v).key
+        manifests[v] = unpack(store.get(key).data, where=key)  # the canonical JSON the parser reads
         m = parse_manifest(manifests[v])
         chunks[v] = [store.get(chunk_key(v, c.name)).data for c in m.chunks]
     return Written(manifests, chunks, store.get(HEAD_KEY).data)

@@ -1,5 +1,6 @@
-"""Golden bytes: a fixed input produces these exact objects forever (or the schema version changes),
-and the checked-in objects stay readable."""
+"""Golden bytes of format 1: a fixed input produces these exact objects forever (or the format
+changes: FORMAT.md §8), and the checked-in objects stay readable. Stores written before 1.0 are
+refused by name."""
 
 from __future__ import annotations
 
@@ -11,34 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
-from xcluster.codec import rans
+from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
+from xcluster.errors import LegacyFormatError
 from xcluster.manifest_object import unpack
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
-GOLDEN = Path(__file__).parent.parent / "golden" / "v2" / "store"
-GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "store"
-"""Written by schema 1 (xcluster 0.1): never regenerated, must stay readable."""
-GOLDEN_V4 = Path(__file__).parent.parent / "golden" / "v4" / "store"
-"""Schema 4: sparse-exp blocks (codec v2, Rice parameters derived from group sizes), with the v1
-encodings where they are smaller. Writers now write sparse-exp2: never regenerated, must stay readable."""
-GOLDEN_V4_0 = Path(__file__).parent.parent / "golden" / "v4-0" / "store"
-"""v4 as the first writer of schema 4 laid it out (sparse-exp blocks sized by stream bytes): still read."""
-GOLDEN_V5 = Path(__file__).parent.parent / "golden" / "v5" / "store"
-"""Schema 5: the v4 versions as writers write them now: sparse-exp2 blocks (Rice parameters stored),
-manifests packed (``manifest-<attempt>.json.zst``, HEAD schema 3), signed."""
-GOLDEN_V6 = Path(__file__).parent.parent / "golden" / "v6" / "store"
-"""Schema 6: the v5 store with ``rans_full``: the keyframe's bf16 ranges are full-rans blocks (FORMAT.md §5b)."""
-GOLDEN_V7 = Path(__file__).parent.parent / "golden" / "v7" / "store"
-"""Schema 7: the v5 store with ``exp_full``: the keyframe's bf16 ranges are full-exp blocks (FORMAT.md §5c)."""
-EXP_GOLDENS = {GOLDEN_V4: ("sparse-exp", 4), GOLDEN_V4_0: ("sparse-exp", 4), GOLDEN_V5: ("sparse-exp2", 5),
-               GOLDEN_V6: ("sparse-exp2", 5), GOLDEN_V7: ("sparse-exp2", 5)}
-FULL_GOLDENS = {GOLDEN_V6: ("full-rans", 6), GOLDEN_V7: ("full-exp", 7)}
-"""Stores whose keyframe codes whole bf16 values: that encoding and the keyframe's schema."""
+GOLDEN = Path(__file__).parent.parent / "golden" / "format1"
+BASIC = GOLDEN / "basic" / "store"
+"""Every kind of tensor (bf16, f32 with inf/NaN/-0.0, int64, bool, a new fp16 tensor, a reshape),
+a non-weight file, a keyframe at version 3 linked by prev_manifest; signed."""
+EXP = GOLDEN / "exp" / "store"
+"""bf16, fp16, fp32 and fp8 weights moved as an optimizer step moves them: a full-exp keyframe
+(bf16) and sparse-exp2 deltas for every dtype with exponent groups; signed."""
 GOLDEN_KEY = Path(__file__).parent.parent / "golden" / "signing-key.pem"
 """A published test key (never use it for anything else): Ed25519 signatures are deterministic,
 so the signed golden objects pin the signature bytes too."""
+TRUST = (str(GOLDEN_KEY) + ".pub",)
+OLD_HEAD = (b'{"committed_unix_ms":1700000000000,"format":"xcluster-head","keyframe_version":1,"kind":"delta",'
+            b'"manifest":"manifest-00000000.json.zst","manifest_xxh3_128":"e380eb316bbc6ddf1a18b7a433cabdce",'
+            b'"run_id":"golden","schema_version":3,"version":3}')
+"""HEAD as xcluster 0.2 wrote it (its golden store of schema 7, signature left out)."""
 
 
 def golden_versions() -> list[dict[str, torch.Tensor]]:
@@ -54,14 +48,21 @@ def golden_versions() -> list[dict[str, torch.Tensor]]:
     return [v1, v2, v3]
 
 
-def write(root: Path) -> None:
-    """The schema 2 store: the v1 encodings only (``exp_groups=False``)."""
-    pub = Publisher(store=LocalStore(root, fsync=False),
-                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
-                                                                                 exp_groups=False),
-                                           run_id="golden", signing_key=str(GOLDEN_KEY)),
-                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000",
-                    files={"config.json": b'{"model_type": "golden"}\n'})
+def _publisher(root: Path, **kw) -> Publisher:
+    return Publisher(store=LocalStore(root, fsync=False),
+                     config=PublisherConfig(keyframe_every=100, run_id="golden", signing_key=str(GOLDEN_KEY),
+                                            codec=_codec()),
+                     clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000", **kw)
+
+
+def _codec():
+    from xcluster import CodecConfig
+
+    return CodecConfig(block_bytes=4096, chunk_bytes=4096)  # the default encodings; many blocks and chunks
+
+
+def write_basic(root: Path) -> None:
+    pub = _publisher(root, files={"config.json": b'{"model_type": "golden"}\n'})
     for i, sd in enumerate(golden_versions()):
         pub.publish(sd, step=i, keyframe=True if i == 2 else None)  # v3: a keyframe, linked by prev_manifest
 
@@ -109,7 +110,7 @@ def golden_versions_v4() -> list[dict[str, torch.Tensor]]:
 
 def golden_versions_v6() -> list[dict[str, torch.Tensor]]:
     """The v4 versions plus ``g``, bf16 weights whose exponents fall off geometrically below 120 (as
-    real weights' do), so full-rans beats byte planes on it; it does not change."""
+    real weights' do), so full-exp beats byte planes on it; it does not change."""
     # the high bits of two LCG sequences (an LCG's low bits have short periods, which zstd would find)
     ys = [(b >> 12) | 1 << 20 for b in _bits(2048, seed=61)]
     raw = [((a >> 31) << 15) | ((121 - (y & -y).bit_length()) << 7) | ((a >> 24) & 127)
@@ -118,23 +119,10 @@ def golden_versions_v6() -> list[dict[str, torch.Tensor]]:
     return [dict(v, g=g) for v in golden_versions_v4()]
 
 
-def write_v5(root: Path, **full: bool) -> None:
-    """The schema 5 store; with ``rans_full`` or ``exp_full`` (``full``), the v6 versions."""
-    pub = Publisher(store=LocalStore(root, fsync=False),
-                    config=PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=4096, chunk_bytes=4096,
-                                                                                 exp_groups=True, **full),
-                                           run_id="golden", compress_manifest=True, signing_key=str(GOLDEN_KEY)),
-                    clock=lambda: 1_700_000_000.0, attempt_id=lambda: "00000000")
-    for i, sd in enumerate(golden_versions_v6() if full else golden_versions_v4()):
+def write_exp(root: Path) -> None:
+    pub = _publisher(root)
+    for i, sd in enumerate(golden_versions_v6()):
         pub.publish(sd, step=i)
-
-
-def write_v6(root: Path) -> None:
-    write_v5(root, rans_full=True)
-
-
-def write_v7(root: Path) -> None:
-    write_v5(root, exp_full=True)
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -142,11 +130,8 @@ def files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.parametrize("writer, golden", [(write, GOLDEN), (write_v5, GOLDEN_V5), (write_v6, GOLDEN_V6),
-                                            (write_v7, GOLDEN_V7)], ids=["v2", "v5", "v6", "v7"])
+@pytest.mark.parametrize("writer, golden", [(write_basic, BASIC), (write_exp, EXP)], ids=["basic", "exp"])
 def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
-    if writer is write_v6 and not rans.compiled():
-        pytest.skip("full-rans is written only with numba's compiled loops (without them: byte planes)")
     if os.environ.get("XCLUSTER_REGENERATE_GOLDEN"):
         shutil.rmtree(golden, ignore_errors=True)
         writer(golden)
@@ -157,27 +142,46 @@ def test_writer_produces_the_golden_bytes(tmp_path, writer, golden):
         assert got[name] == want[name], f"{name} differs from {golden}: the format changed"
 
 
-@pytest.mark.parametrize("golden", list(EXP_GOLDENS), ids=["v4", "v4-0", "v5", "v6", "v7"])
-def test_golden_exp_objects_decode(tmp_path, golden):
-    encoding, schema = EXP_GOLDENS[golden]
-    packed = golden in (GOLDEN_V5, GOLDEN_V6, GOLDEN_V7)
-    shutil.copytree(golden, tmp_path / "s")
-    paths = sorted((tmp_path / "s" / "versions").rglob("manifest-*"))
-    assert [p.name.endswith(".json.zst") for p in paths] == [packed] * 3
-    manifests = [json.loads(unpack(p.name, p.read_bytes(), where=p.name)) for p in paths]
-    full, key_schema = FULL_GOLDENS.get(golden, (None, 2))
-    assert [m["schema_version"] for m in manifests] == [key_schema, schema, schema]
-    if full:  # the keyframe's bf16 ranges are full-rans or full-exp, the other dtypes planes
-        key = manifests[0]
-        by = {b["encoding"]: {key["tensors"][s[0]]["dtype"] for s in b["segments"]} for b in key["blocks"]}
-        assert by[full] == {"bfloat16"} and "bfloat16" not in by["planes"]
-    assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["schema_version"] == (3 if packed else 2)
-    for m in manifests[1:]:  # every dtype with exponent groups has a block of the exponent encoding
-        exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == encoding for s in b["segments"]}
+def manifests(store: Path) -> list[dict]:
+    paths = sorted((store / "versions").rglob("manifest-*"))
+    assert all(p.name == "manifest-00000000.json.zst" for p in paths)
+    return [json.loads(unpack(p.read_bytes(), where=p.name)) for p in paths]
+
+
+def test_golden_objects_decode(tmp_path):
+    shutil.copytree(BASIC, tmp_path / "s")
+    ms = manifests(tmp_path / "s")
+    assert [m["format_version"] for m in ms] == [1, 1, 1]
+    assert [m["kind"] for m in ms] == ["keyframe", "delta", "keyframe"]
+    assert json.loads((tmp_path / "s" / "HEAD").read_bytes())["format_version"] == 1
+    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=TRUST))
+    assert sub.sync(until=1) == 1  # reached from HEAD (keyframe 3) through prev_manifest
+    assert_state_equal(sub.state_dict(), golden_versions()[0])
+    assert sub.sync(until=2) == 2
+    assert_state_equal(sub.state_dict(), golden_versions()[1])
+    assert sub.model_digest == model_digest(golden_versions()[1])
+    assert sub.manifest.kind == "delta"
+    # pinned: a different digest here means the digest definition changed
+    assert sub.model_digest == (GOLDEN.parent / "model_digest_v2.txt").read_text().strip()
+    assert sub.sync() == 3
+    assert sub.manifest.kind == "keyframe" and sub.manifest.prev_manifest.version == 2
+    assert_state_equal(sub.state_dict(), golden_versions()[2])
+
+
+def test_golden_exp_objects_decode(tmp_path):
+    shutil.copytree(EXP, tmp_path / "s")
+    ms = manifests(tmp_path / "s")
+    key = ms[0]
+    by = {b["encoding"]: {key["tensors"][s[0]]["dtype"] for s in b["segments"]} for b in key["blocks"]}
+    assert key["encodings"] == ["full-exp", "planes"] and by["full-exp"] == {"bfloat16"}
+    assert "bfloat16" not in by["planes"]
+    for m in ms[1:]:  # every dtype with exponent groups has a sparse-exp2 block
+        assert "sparse-exp2" in m["encodings"]
+        exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == "sparse-exp2"
+               for s in b["segments"]}
         assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
-    trust = (str(GOLDEN_KEY) + ".pub",) if packed else ()
-    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
-    for v, sd in enumerate(golden_versions_v6() if full else golden_versions_v4(), 1):
+    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=TRUST))
+    for v, sd in enumerate(golden_versions_v6(), 1):
         assert sub.sync(until=v) == v
         assert_state_equal(sub.state_dict(), sd)
     late = Subscriber(str(tmp_path / "s"))  # joins at the keyframe and replays: the same weights
@@ -185,20 +189,12 @@ def test_golden_exp_objects_decode(tmp_path, golden):
     assert late.model_digest == sub.model_digest
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])
-def test_golden_objects_decode(tmp_path, golden):
-    shutil.copytree(golden, tmp_path / "s")
-    trust = (str(GOLDEN_KEY) + ".pub",) if golden == GOLDEN else ()
-    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=trust))
-    assert sub.sync(until=1) == 1  # v2 store: reached from HEAD (keyframe 3) through prev_manifest
-    assert_state_equal(sub.state_dict(), golden_versions()[0])
-    assert sub.sync(until=2) == 2
-    assert_state_equal(sub.state_dict(), golden_versions()[1])
-    assert sub.model_digest == model_digest(golden_versions()[1])
-    assert sub.manifest.kind == "delta"
-    # pinned: a different digest here means the digest definition changed
-    assert sub.model_digest == (GOLDEN.parent.parent / "model_digest_v2.txt").read_text().strip()
-    if golden == GOLDEN:
-        assert sub.sync() == 3
-        assert sub.manifest.kind == "keyframe" and sub.manifest.prev_manifest.version == 2
-        assert_state_equal(sub.state_dict(), golden_versions()[2])
+def test_a_store_written_before_1_0_is_refused_by_name_and_the_weights_kept(tmp_path):
+    write_basic(tmp_path / "s")
+    sub = Subscriber(str(tmp_path / "s"), config=SubscriberConfig(trusted_keys=TRUST))
+    assert sub.sync() == 3
+    (tmp_path / "s" / "HEAD").write_bytes(OLD_HEAD)  # the prefix is taken over by a 0.2 writer
+    with pytest.raises(LegacyFormatError, match=r"written by xcluster 0\.x \(schema_version 3\).*xcluster<1"):
+        sub.sync()
+    assert sub.version == 3
+    assert_state_equal(sub.state_dict(), golden_versions()[2])

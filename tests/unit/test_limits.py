@@ -11,7 +11,7 @@ import pytest
 from xcluster import Subscriber, SubscriberConfig
 from xcluster.errors import FormatError, ResourceLimitError
 from xcluster.format import parse_manifest, xxh3_128
-from tests.unit.helpers import mkey
+from tests.unit.helpers import manifest_bytes
 from tests.unit.test_bad_input import assert_untouched, env, rewrite_manifest  # noqa: F401 - fixture
 
 HUGE = 1 << 39  # 512 GiB of uint8: under the default max_model_bytes (1 TiB)
@@ -73,7 +73,7 @@ def test_allocation_failure_is_a_named_error(env):
     before = sub.model_digest
     rewrite_manifest(store, 2, add_huge_tensor)
     store.put("versions/000000000002/chuge-000000.xc", b"\0" * 64)
-    m = parse_manifest(store.get(mkey(store, 2)).data)
+    m = parse_manifest(manifest_bytes(store, 2))
     assert m.model_bytes < SubscriberConfig().max_model_bytes
     with pytest.raises(ResourceLimitError, match="zz_huge"):
         sub.sync()
@@ -111,7 +111,7 @@ def sparse_store(tmp_path, n: int, every: int, config: SubscriberConfig | None =
     planes = [gaps.view(np.uint8).reshape(-1, 4)[:, i].copy() for i in range(4)] + [np.full(nnz, 2, np.uint8)]
     enc = [streams.compress([p], level=1) for p in planes]
     payload = b"".join(p for _, p in enc)
-    old = json.loads(store.get(mkey(store, 2)).data)
+    old = json.loads(manifest_bytes(store, 2))
     key = f"versions/000000000002/{old['chunks'][0]['name']}"
     store.put(key, payload)
 
@@ -119,6 +119,7 @@ def sparse_store(tmp_path, n: int, every: int, config: SubscriberConfig | None =
         o["chunks"] = [{"name": old["chunks"][0]["name"], "size": len(payload), "xxh3_128": xxh3_128(payload)}]
         o["blocks"] = [{"chunk": 0, "offset": 0, "encoding": "sparse-sub", "width": 1,
                         "streams": [[c, len(p), nnz] for c, p in enc], "segments": [[0, 0, n, nnz]]}]
+        o["encodings"] = ["sparse-sub"]
         o["tensors"][0]["digest"] = tensor_digest(u1)
         o["model_digest"] = model_digest({"u": u1})
     rewrite(store, 2, mutate)

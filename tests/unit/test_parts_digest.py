@@ -13,7 +13,7 @@ from xcluster.digest import combine_part_digests, entry_digest, model_digest_fro
 from xcluster.errors import DigestMismatchError, FormatError, SchemaVersionError
 from xcluster.format import parse_manifest
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, mkey
+from tests.unit.helpers import assert_state_equal, manifest_bytes
 from tests.unit.test_bad_input import rewrite_manifest as rewrite
 
 
@@ -28,10 +28,10 @@ def states() -> list[dict[str, torch.Tensor]]:
 
 
 
-def with_parts(state, name: str, parts: list[int], *, digest: str | None = None, schema: int = 3):
+def with_parts(state, name: str, parts: list[int], *, digest: str | None = None, format_version: int = 1):
     """A mutation: tensor ``name`` hashed in ``parts``; model digest recomputed to match."""
     def mutate(o):
-        o["schema_version"] = schema
+        o["format_version"] = format_version
         for t in o["tensors"]:
             if t["name"] == name:
                 t["parts"] = parts
@@ -80,21 +80,20 @@ def test_wrong_parts_digest_is_refused(store):
     assert sub.version is None
 
 
-@pytest.mark.parametrize("parts, schema, error", [
-    ([2048], 3, FormatError),            # one part: the plain digest, never a parts list
-    ([1000, 1000], 3, FormatError),      # does not add up to numel
-    ([0, 2048], 3, FormatError),         # empty part
-    ([1024, 1024], 2, FormatError),      # parts need schema 3
+@pytest.mark.parametrize("parts, format_version, error", [
+    ([2048], 1, FormatError),            # one part: the plain digest, never a parts list
+    ([1000, 1000], 1, FormatError),      # does not add up to numel
+    ([0, 2048], 1, FormatError),         # empty part
     ([1024, 1024], 99, SchemaVersionError),
 ])
-def test_bad_parts_are_format_errors(store, parts, schema, error):
+def test_bad_parts_are_format_errors(store, parts, format_version, error):
     s = states()
     Publisher(store=store).publish(s[0])
-    rewrite(store, 1, with_parts(s[0], "w", parts, digest="0" * 32, schema=schema))
+    rewrite(store, 1, with_parts(s[0], "w", parts, digest="0" * 32, format_version=format_version))
     with pytest.raises(error):
         Subscriber(store=store).sync()
     with pytest.raises(error):
-        parse_manifest(store.get(mkey(store, 1)).data)
+        parse_manifest(manifest_bytes(store, 1))
 
 
 def test_unchanged_tensor_rehashed_in_new_parts_is_verified(store):
@@ -104,7 +103,7 @@ def test_unchanged_tensor_rehashed_in_new_parts_is_verified(store):
     pub = Publisher(store=store, config=PublisherConfig(keyframe_every=10))
     pub.publish(s[0])
     pub.publish(s[1])
-    m2 = parse_manifest(store.get(mkey(store, 2)).data)
+    m2 = parse_manifest(manifest_bytes(store, 2))
     assert m2.kind == "delta" and not any(seg.tensor == 0 for b in m2.blocks for seg in b.segments)  # "b" untouched
     sub = Subscriber(store=store)
     assert sub.sync(until=1) == 1

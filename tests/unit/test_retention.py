@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
@@ -121,15 +122,17 @@ def test_unreferenced_attempts_and_files_go_after_grace(tmp_path):
     assert Subscriber(store=store).sync() == 2
 
 
-def test_schema1_store_is_handled(tmp_path):
-    import shutil
-    from pathlib import Path
+def test_a_store_written_before_1_0_is_refused_and_nothing_deleted(tmp_path):
+    from xcluster.errors import LegacyFormatError
+    from tests.unit.test_golden import OLD_HEAD
 
-    src = Path(__file__).parent.parent / "golden" / "v1" / "store"
-    shutil.copytree(src, tmp_path / "s")
-    store = LocalStore(tmp_path / "s")
-    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
-    assert Subscriber(store=store).sync() == 2
+    store = LocalStore(tmp_path)
+    publish(store, 3)
+    keys = sorted(store.list())
+    store.put("HEAD", OLD_HEAD)
+    with pytest.raises(LegacyFormatError, match="xcluster<1"):
+        gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert sorted(store.list()) == keys
 
 
 def test_fleet_status_and_cli(tmp_path):

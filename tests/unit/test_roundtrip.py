@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import contextlib
-import json
 import math
 from unittest import mock
 
@@ -19,7 +18,7 @@ from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_
 from xcluster.codec import encode
 from xcluster.codec.changes import unzigzag
 from xcluster.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
-from xcluster.format import SPARSE_EXP, SPARSE_EXP2, SPARSE_SUB
+from xcluster.format import CORE_ENCODINGS, SPARSE_EXP2, SPARSE_SUB
 from tests.unit.helpers import assert_state_equal, memory_store
 
 ALL_DTYPES = sorted(DTYPE_NAMES)
@@ -184,28 +183,19 @@ def ulp_steps(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Te
     return new
 
 
-EXP_SCHEMAS = {SPARSE_EXP: 4, SPARSE_EXP2: 5}
-
-
-def writes(encoding: str):
-    """Write ``encoding`` as the exponent-group encoding (sparse-exp: as writers did before sparse-exp2)."""
-    return mock.patch.object(encode, "EXP_ENCODING", encoding)
-
-
 @contextlib.contextmanager
-def always_exp(encoding: str):
-    """Write ``encoding`` for every eligible sparse range, smaller or not (so the property test
+def always_exp():
+    """Write ``sparse-exp2`` for every eligible sparse range, smaller or not (so the property test
     reaches its decoder on every shape)."""
-    with writes(encoding), mock.patch.object(encode, "_smaller", lambda v1, v2, count, cfg: (encoding, v2())), \
+    with mock.patch.object(encode, "_smaller", lambda v1, v2, count, cfg: (SPARSE_EXP2, v2())), \
             mock.patch.object(encode, "EXP_MIN_CHANGES", 1):
         yield
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from(ALL_DTYPES), shape=shapes, density=st.sampled_from([0.001, 0.01, 0.1, 0.3]),
-       seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3), force=st.booleans(), ulp=st.booleans(),
-       encoding=st.sampled_from([SPARSE_EXP2, SPARSE_EXP]))
-def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed, steps, force, ulp, encoding):
+       seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 3), force=st.booleans(), ulp=st.booleans())
+def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed, steps, force, ulp):
     gen = torch.Generator().manual_seed(seed)
     dt = torch_dtype(dtype)
     move = ulp_steps if ulp and dt != torch.bool else perturb
@@ -214,26 +204,24 @@ def test_property_sparse_exp_any_dtype_shape_density(dtype, shape, density, seed
     for _ in range(steps):
         cur = {k: move(v, density, gen) for k, v in cur.items()}
         versions.append(cur)
-    with always_exp(encoding) if force else writes(encoding):
+    with always_exp() if force else contextlib.nullcontext():
         roundtrip(versions, keyframe_every=2)
 
 
-@pytest.mark.parametrize("encoding", [SPARSE_EXP2, SPARSE_EXP])
-def test_sparse_exp_is_chosen_and_late_joiners_agree(encoding):
-    """A run of ulp steps with a keyframe every 3 versions: sparse-exp carries the deltas; a
-    subscriber that joins at any keyframe decodes the same bytes to the same weights as one that
-    followed from the start."""
+def test_sparse_exp_is_chosen_and_late_joiners_agree():
+    """A run of ulp steps with a keyframe every 3 versions: sparse-exp2 carries the deltas by
+    default; a subscriber that joins at any keyframe decodes the same bytes to the same weights as
+    one that followed from the start."""
     gen = torch.Generator().manual_seed(8)
     cur = {"w": (torch.randn(300, 257, generator=gen) * 0.02).to(torch.bfloat16),
            "h": torch.randn(4099, generator=gen).to(torch.float16),
            "f": torch.randn(5000, generator=gen) * 1e-3}
     store = memory_store()
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=replace(SMALL, exp_groups=True)))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, codec=SMALL))
     follower = Subscriber(store=store)
     joiners = []
     for i in range(8):
-        with writes(encoding):
-            res = pub.publish(cur, step=i)
+        res = pub.publish(cur, step=i)
         assert follower.sync() == res.version
         if res.kind == "keyframe":
             joiners.append(Subscriber(store=store))
@@ -244,54 +232,38 @@ def test_sparse_exp_is_chosen_and_late_joiners_agree(encoding):
         assert_state_equal(follower.state_dict(), cur)
         if res.kind == "delta":
             m = follower.manifest
-            assert m.schema_version == EXP_SCHEMAS[encoding]
-            assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == encoding
+            assert SPARSE_EXP2 in m.encodings
+            assert {m.tensors[s.tensor].dtype for b in m.blocks if b.encoding == SPARSE_EXP2
                     for s in b.segments} == {"bfloat16", "float16", "float32"}
         cur = {k: ulp_steps(v, 0.02, gen) for k, v in cur.items()}  # ≥ EXP_MIN_CHANGES in each range of 4096
     assert len(joiners) == 3
 
 
-def test_v1_only_config_writes_schema_2():
+def test_core_only_config_writes_only_core_encodings():
+    """``CodecConfig(encodings=CORE_ENCODINGS)``: what a fleet whose readers predate an encoding
+    writes; its manifests name only the core."""
     gen = torch.Generator().manual_seed(9)
     w = (torch.randn(20000, generator=gen) * 0.02).to(torch.bfloat16)
     store = memory_store()
-    pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_groups=False)))
+    pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(encodings=CORE_ENCODINGS)))
     sub = Subscriber(store=store)
     pub.publish({"w": w})
-    pub.publish({"w": ulp_steps(w, 0.01, gen)})
-    sub.sync()
-    assert sub.manifest.schema_version == 2
-    assert {b.encoding for b in sub.manifest.blocks} == {"sparse-sub"}
-
-
-@pytest.mark.parametrize("encoding", [SPARSE_EXP2, SPARSE_EXP])
-def test_old_readers_refuse_sparse_exp_manifests(encoding):
-    from xcluster import format as fmt
-    from xcluster.errors import FormatError, SchemaVersionError
-
-    gen = torch.Generator().manual_seed(10)
-    w = (torch.randn(20000, generator=gen) * 0.02).to(torch.bfloat16)
-    store = memory_store()
-    pub = Publisher(store=store, config=PublisherConfig(codec=CodecConfig(exp_groups=True)))
+    assert sub.sync() == 1 and sub.manifest.encodings == ("planes",)
+    w2 = ulp_steps(w, 0.01, gen)
+    pub.publish({"w": w2})
+    assert sub.sync() == 2 and sub.manifest.encodings == ("sparse-sub",)
+    assert_state_equal(sub.state_dict(), {"w": w2})
+    default = memory_store()  # the same versions with the default: sparse-exp2, as it is smaller here
+    pub = Publisher(store=default)
     pub.publish({"w": w})
-    with writes(encoding):
-        res = pub.publish({"w": ulp_steps(w, 0.01, gen)})
-    key = [k for k in store.list() if k.startswith(f"versions/{res.version:012d}/manifest")][0]
-    data = store.get(key).data
-    schema = EXP_SCHEMAS[encoding]
-    assert json.loads(data)["schema_version"] == schema
-    with pytest.raises(SchemaVersionError, match="upgrade"):  # a reader of the schemas before
-        fmt._load_json(data, "m", fmt.MAX_MANIFEST_BYTES, fmt.MANIFEST_FORMAT, versions=tuple(range(1, schema)))
-    for lower in range(2, schema):
-        obj = json.loads(data)
-        obj["schema_version"] = lower
-        with pytest.raises(FormatError, match=f"a {encoding} block needs schema_version {schema}"):
-            fmt.parse_manifest(fmt.canonical_json(obj))
+    pub.publish({"w": w2})
+    sub = Subscriber(store=default)
+    assert sub.sync() == 2 and sub.manifest.encodings == ("sparse-exp2",)
+    assert_state_equal(sub.state_dict(), {"w": w2})
 
 
-@pytest.mark.parametrize("stored_k", [True, False], ids=["sparse-exp2", "sparse-exp"])
-def test_sparse_exp_streams_are_checked(stored_k):
-    """Every byte of a sparse-exp block is accounted for: flipping any bit is caught by the
+def test_sparse_exp_streams_are_checked():
+    """Every byte of a sparse-exp2 block is accounted for: flipping any bit is caught by the
     decoder's checks or by the digest, never a crash or a silent wrong weight."""
     from xcluster.codec import expgroup
     from xcluster.codec.changes import find_changes, zigzag_diff
@@ -302,14 +274,14 @@ def test_sparse_exp_streams_are_checked(stored_k):
     new = ulp_steps(old, 0.02, gen)
     ob, nb = flat_bits(old).numpy().view("u2"), flat_bits(new).numpy().view("u2")
     pos, ov, nv = find_changes(ob, nb)
-    pieces = expgroup.build(ob, pos, zigzag_diff(ov, nv), "bfloat16", stored_k=stored_k)
+    pieces = expgroup.build(ob, pos, zigzag_diff(ov, nv), "bfloat16")
     caught = 0
     for s in range(len(pieces)):
         for byte in range(0, pieces[s].size, max(1, pieces[s].size // 7)):
             bad = [p.copy() for p in pieces]
             bad[s][byte] ^= 1 << (byte % 8)
             try:
-                r = expgroup.SegmentReader(bad, 2, "t", stored_k=stored_k)
+                r = expgroup.SegmentReader(bad, 2, "t")
                 p2, z2 = r.segment(ob, pos.size, "bfloat16", np.uint16)
                 r.finish()
             except DecodeError:
@@ -326,7 +298,7 @@ def test_ranges_with_few_changes_stay_sparse_sub_without_a_sparse_exp_trial():
     (its side information outweighs its gain there, and the trial costs more than the range)."""
     gen = torch.Generator().manual_seed(11)
     old = (torch.randn(16384, generator=gen) * 0.02).to(torch.bfloat16)
-    cfg = CodecConfig(exp_groups=True)
+    cfg = CodecConfig()
     for n, want in ((encode.EXP_MIN_CHANGES - 1, SPARSE_SUB), (encode.EXP_MIN_CHANGES, SPARSE_EXP2)):
         new = old.clone()
         flat_bits(new)[torch.randperm(old.numel(), generator=gen)[:n]] += 1
@@ -348,7 +320,7 @@ def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_sa
     element, sparse-sub's only the changes): a range of 2**22 elements with ~100 changes, where
     sparse-exp is smaller by less than that, stays sparse-sub after a trial; ranges of 2**23
     whose sparse-sub bytes are already under it skip the trial. The torch scan writes the same."""
-    cfg = CodecConfig(exp_groups=True)
+    cfg = CodecConfig()
     built: list[int] = []
     real_build = encode.expgroup.build
 
@@ -377,3 +349,31 @@ def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_sa
     assert 0 < 8 * (sub_bytes - exp_bytes) < encode.EXP_MIN_SAVING * (1 << 22)
     enc, size = encoded(1 << 24, 1e-10, encode.EXP_MIN_SAVING)  # two ranges of 2**23 elements
     assert (enc, built) == ([SPARSE_SUB], []) and 8 * size <= encode.EXP_MIN_SAVING * (1 << 24)
+
+
+def test_a_reader_without_an_encoding_refuses_it_by_name_and_keeps_serving():
+    """FORMAT.md §8: a writer allowed an encoding before every reader had it. The reader names the
+    encoding, fetches no chunk and keeps its weights; restarted on an upgrade, it reads that version."""
+    from xcluster import format as fmt
+    from xcluster.errors import UnknownEncodingError
+
+    gen = torch.Generator().manual_seed(12)
+    w = (torch.randn(20000, generator=gen) * 0.02).to(torch.bfloat16)
+    store = memory_store()
+    Publisher(store=store, config=PublisherConfig(codec=CodecConfig(encodings=CORE_ENCODINGS))).publish({"w": w})
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1
+    w2 = ulp_steps(w, 0.01, gen)
+    Publisher(store=store).publish({"w": w2})  # a new publisher: a keyframe, full-exp by default
+    fetched = []
+    real_get_range = store.get_range
+    with mock.patch.object(fmt, "ENCODINGS", CORE_ENCODINGS), \
+            mock.patch.object(store, "get_range", lambda k, *a: fetched.append(k) or real_get_range(k, *a)):
+        with pytest.raises(UnknownEncodingError, match="uses encoding 'full-exp'.*upgrade xcluster"):
+            sub.sync()
+    assert not [k for k in fetched if k.endswith(".xc")]
+    assert sub.version == 1
+    assert_state_equal(sub.state_dict(), {"w": w})
+    upgraded = Subscriber(store=store)  # the node restarted on the upgrade
+    assert upgraded.sync() == 2
+    assert_state_equal(upgraded.state_dict(), {"w": w2})

@@ -29,7 +29,7 @@ def _delta(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_small_ranges_are_scanned_while_a_large_one_is_and_memory_stays_bounded(monkeypatch):
-    cfg = CodecConfig(block_bytes=16 << 10, chunk_bytes=1 << 20, workers=2, exp_groups=True)
+    cfg = CodecConfig(block_bytes=16 << 10, chunk_bytes=1 << 20, workers=2)
     budget = 2 * cfg.workers * cfg.block_bytes
     base = _state(0)
     new = _delta(base)

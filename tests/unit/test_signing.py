@@ -18,7 +18,8 @@ from xcluster.follow.daemon import Daemon, DaemonConfig
 from xcluster.format import HEAD_KEY, canonical_json, parse_head, parse_manifest
 from xcluster.signing import Signer, Verifier, generate_keypair
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, mkey
+from xcluster.manifest_object import pack, unpack
+from tests.unit.helpers import assert_state_equal, manifest_bytes
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -115,11 +116,11 @@ def test_a_rewritten_manifest_does_not_verify(tmp_path, keys):
     sub.sync()
     pub.publish(weights(1))
     head = parse_head(store.get(HEAD_KEY).data)
-    m = parse_manifest(store.get(head.manifest_key).data)
+    m = parse_manifest(unpack(store.get(head.manifest_key).data, where="m"))
     tampered = m.to_obj()
     tampered["step"] = 999
     data = canonical_json(tampered)  # still carries the original signature
-    store.put(head.manifest_key, data)
+    store.put(head.manifest_key, pack(data))
     from xcluster.format import xxh3_128
 
     forged_head = head.to_obj()
@@ -267,7 +268,7 @@ def test_malformed_signature_objects_are_format_errors(tmp_path, keys, sig, matc
     head["signature"] = sig
     with pytest.raises(FormatError, match=match):
         parse_head(canonical_json(head))
-    m = parse_manifest(store.get(mkey(store, 1)).data).to_obj()
+    m = parse_manifest(manifest_bytes(store, 1)).to_obj()
     m["signature"] = sig
     with pytest.raises(FormatError, match=match):
         parse_manifest(canonical_json(m))

@@ -21,9 +21,8 @@ import torch
 
 from ..dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
-from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_EXP, FULL_RANS, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry,
-                      TensorEntry)
-from . import expgroup, fullexp, rans, streams
+from ..format import DENSE_SUB, FULL_EXP, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry, TensorEntry
+from . import expgroup, fullexp, streams
 from .changes import unzigzag
 from .scatter import PIECE, scatter_add, scatter_gaps
 
@@ -63,7 +62,7 @@ class Scatter:
 def block_memory(block: BlockEntry) -> int:
     """Bytes decoding ``block`` holds at its peak (from the manifest's checked sizes alone)."""
     raw = [s.raw for s in block.streams]
-    if block.encoding in EXP_ENCODINGS:
+    if block.encoding == SPARSE_EXP2:
         # the streams and the unpacked quotient bits; per segment its groups, a group's membership
         # mask and bitmap with prefix counts (3 bytes per element); per change about 10 int64
         # temporaries, the values, its remainder bits unpacked (at most 31) and a 64-byte word
@@ -73,7 +72,7 @@ def block_memory(block: BlockEntry) -> int:
         return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 31 + 192)
     if block.encoding == PLANES:
         return sum(raw)  # the planes themselves, applied as views
-    if block.encoding in (FULL_RANS, FULL_EXP):
+    if block.encoding == FULL_EXP:
         # the streams, the decoded values (held until the block is applied) and a segment's tables
         return sum(raw) + block.width * sum(s.count for s in block.segments) + 64 * 1024
     n = raw[-1]  # elements carried: count (dense) or nnz (sparse)
@@ -86,10 +85,10 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
                  into: Mapping[int, torch.Tensor] | None = None) -> list[Fill | Patch | Scatter]:
     """Decode one block from its chunk's bytes (checksum already verified). ``base[i]`` is the
     tensor the reader holds for tensor ``i`` of the manifest (the base version's, before this
-    version's patches land on the block's ranges): ``sparse-exp`` groups its elements by it.
+    version's patches land on the block's ranges): ``sparse-exp2`` groups its elements by it.
 
     ``into[i]``, where given, is the (contiguous, host) tensor that tensor ``i`` is being built
-    in from scratch: ``full-exp`` and ``full-rans`` segments of it are decoded straight into it,
+    in from scratch: ``full-exp`` segments of it are decoded straight into it,
     saving a copy, and give no operation. Only for tensors nobody reads yet: a block that fails
     may have written part of them."""
     mv = memoryview(chunk)
@@ -120,14 +119,11 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
             ops.append(Fill(seg.tensor, seg.start, [p[cursor:cursor + seg.count] for p in planes]))
             cursor += seg.count
         return ops
-    if block.encoding in (FULL_RANS, FULL_EXP):
-        if block.encoding == FULL_RANS:
-            reader = rans.SegmentReader([stream(i) for i in range(len(block.streams))], where=where)
-        else:  # the symbols inflated a piece at a time, as they are joined
-            sym = block.streams[1]
-            reader = fullexp.SegmentReader([stream(0), streams.Reader(sym.codec, mv[offsets[1]:offsets[2]], sym.raw,
-                                                                      where=f"{where} stream 1"),
-                                            stream(2), stream(3)], where=where)
+    if block.encoding == FULL_EXP:  # the symbols inflated a piece at a time, as they are joined
+        sym = block.streams[1]
+        reader = fullexp.SegmentReader([stream(0), streams.Reader(sym.codec, mv[offsets[1]:offsets[2]], sym.raw,
+                                                                  where=f"{where} stream 1"),
+                                        stream(2), stream(3)], where=where)
         for seg in block.segments:
             dst = into.get(seg.tensor) if into is not None else None
             if dst is None:
@@ -142,9 +138,8 @@ def decode_block(block: BlockEntry, chunk: bytes | memoryview, tensors: Sequence
             ops.append(Patch(seg.tensor, seg.start, None, diff[cursor:cursor + seg.count]))
             cursor += seg.count
         return ops
-    if block.encoding in EXP_ENCODINGS:
-        reader = expgroup.SegmentReader([stream(i) for i in range(len(block.streams))], w, where,
-                                        stored_k=block.encoding == SPARSE_EXP2)
+    if block.encoding == SPARSE_EXP2:
+        reader = expgroup.SegmentReader([stream(i) for i in range(len(block.streams))], w, where)
         for seg in block.segments:
             t = base[seg.tensor] if seg.tensor < len(base) else None
             if t is None:

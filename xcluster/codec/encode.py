@@ -16,15 +16,12 @@ import torch
 
 from ..dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
-from ..format import (DENSE_SUB, EXP_ENCODINGS, FULL_DTYPES, FULL_EXP, FULL_RANS, INIT_BASE, INIT_NONE, PLANES,
+from ..format import (CORE_ENCODINGS, DENSE_SUB, ENCODINGS, FULL_DTYPES, FULL_EXP, INIT_BASE, INIT_NONE, PLANES,
                       SPARSE_EXP2, SPARSE_SUB, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
-from . import expgroup, fullexp, rans, scan_torch, streams
+from . import expgroup, fullexp, scan_torch, streams
 from .changes import find_changes, join_planes, sparse_sub_pieces, split_planes, zigzag_diff
 
 SCANS = ("auto", "numpy", "torch")
-EXP_ENCODING = SPARSE_EXP2
-"""The exponent-group encoding written (``exp_groups``): ``sparse-exp2``; tests set ``sparse-exp``
-to exercise the readers of stores written before it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +34,7 @@ class CodecConfig:
     delta streams at ~100x the time."""
     block_bytes: int = 16 << 20
     """Target decoded bytes per block (the unit decoded independently, in parallel); for
-    ``sparse-exp`` blocks, bytes of the base they cover (decoding reads all of them)."""
+    ``sparse-exp2`` and ``full-exp`` blocks, bytes of the tensor they cover (decoding reads all of them)."""
     chunk_bytes: int = 64 << 20
     """Target size of a chunk object; a chunk holds whole blocks and is sealed once it reaches this."""
     dense_threshold: float = 0.25
@@ -51,35 +48,19 @@ class CodecConfig:
     the host (codec/scan_torch.py); ``"auto"``: torch for tensors that are not on the CPU, numpy
     for the rest. All three write the same bytes."""
 
-    exp_groups: bool = False
-    """Write a sparse range as ``sparse-exp2`` (positions coded per exponent group of the base,
-    FORMAT.md §5a) where that is smaller than ``sparse-sub``, for bf16, fp16, fp32 and fp8 tensors:
-    about 40% fewer bytes per delta on real weights (bench/codec.py --v2 --real). Encoding runs at
-    0.5-0.7× and applying at 0.6-0.7× the speed of ``sparse-sub`` (with numba's compiled
-    loops, 1% changed, 2 cores: 1.3-1.9 GB/s and 3.5-3.6 GB/s of model bytes on a 67 MB
-    transformer-shaped model; on the 45 MB real one 1.3-1.4 and 2.4-2.6 GB/s with 1% of every
-    tensor changed, 1.3-1.4 and 2.4-2.55 GB/s on a real step's delta; applying is one pass over
-    the base's bits per range, 64 elements per step (codec/expselect.py), about 0.5 ns per
-    element at 1%; numpy alone is several times slower). Ranges with fewer than ``EXP_MIN_CHANGES`` changes, or where it saves under
-    ``EXP_MIN_SAVING`` bits per element, stay ``sparse-sub``. Opt-in
-    because a manifest with such a block declares schema 5, which readers older than it refuse:
-    turn it on once every subscriber reads schema 5."""
+    encodings: tuple[str, ...] = ENCODINGS
+    """The encodings this writer may use (docs/FORMAT.md §5); it always writes the smallest of those
+    allowed, per range. Must hold the core (``planes``, ``sparse-sub``, ``dense-sub``). The default,
+    every encoding, is the smallest: on real weights (bench/codec.py --real) ``sparse-exp2`` takes
+    about 40% fewer bytes per delta than ``sparse-sub`` and ``full-exp`` makes keyframes 1.512×
+    instead of 1.459× (byte planes).
 
-    exp_full: bool = False
-    """Write whole bf16 values (keyframes, new tensors) as ``full-exp`` (exponent and top mantissa
-    bits as one byte that zstd's literal coder entropy codes, the rest packed, FORMAT.md §5c) where
-    that is smaller than byte planes: about 10.58 bits per element on real weights instead of 10.96
-    (1.512× instead of 1.459×; bench/codec.py --v2 --real), decoded at about 1.1-1.2 GB/s per core
-    (at least byte planes' speed) and encoded about as fast. Works without numba (numpy loops,
-    several times slower). Opt-in because a manifest with such a block declares schema 7, which older
-    readers refuse: turn it on once every subscriber reads schema 7."""
-
-    rans_full: bool = False
-    """Also consider ``full-rans`` for whole bf16 values (exponent and top mantissa bits rANS coded,
-    FORMAT.md §5b), written where it is the smallest: about 10.56 bits per element on real weights
-    (0.2% below ``full-exp``), but decoded at only 0.6-0.9 GB/s per core and encoded at about 0.7×
-    the speed. Needs numba (without it this is ignored). Declares schema 6 (7 with ``full-exp``
-    blocks in the same manifest)."""
+    Two reasons to narrow it. Upgrades (FORMAT.md §8): a reader refuses a manifest naming an
+    encoding it lacks, so a fleet upgrades every reader before its writers allow a new encoding.
+    Speed: applying ``sparse-exp2`` reads every element of a range (about 0.5 ns each, one pass
+    over the base), ``sparse-sub`` only the changes; measured with numba, 1% changed, 2 cores:
+    apply 2.4-2.6 GB/s against 3.6-3.7 GB/s, encode 1.3-1.4 GB/s against about 2 (bench/apply.py).
+    A node far from its WAN limit may prefer ``CORE_ENCODINGS + ("full-exp",)``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -100,6 +81,21 @@ class CodecConfig:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.scan not in SCANS:
             raise ConfigError(f"scan must be one of {', '.join(map(repr, SCANS))}, got {self.scan!r}")
+        unknown = [e for e in self.encodings if e not in ENCODINGS]
+        if unknown or not set(CORE_ENCODINGS) <= set(self.encodings):
+            raise ConfigError(f"encodings must name only {', '.join(ENCODINGS)} and hold the core "
+                              f"({', '.join(CORE_ENCODINGS)}), got {self.encodings!r}")
+        object.__setattr__(self, "encodings", tuple(e for e in ENCODINGS if e in self.encodings))
+
+    @property
+    def exp_groups(self) -> bool:
+        """Whether ``sparse-exp2`` may be written."""
+        return SPARSE_EXP2 in self.encodings
+
+    @property
+    def exp_full(self) -> bool:
+        """Whether ``full-exp`` may be written."""
+        return FULL_EXP in self.encodings
 
     def scans_with_torch(self, t: torch.Tensor) -> bool:
         """Is ``t`` scanned with torch ops (on its own device) rather than on the host?"""
@@ -165,10 +161,10 @@ class _Packer:
     def add(self, encoding: str, width: int, seg: _Seg) -> None:
         key = (encoding, width)
         self.open.setdefault(key, []).append(seg)
-        # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp the bits
+        # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp2 the bits
         # of the base it groups (every element of the range is read), so such a delta still
         # splits into blocks that decode in parallel
-        work = (seg.seg.count * width if encoding in (*EXP_ENCODINGS, FULL_RANS, FULL_EXP)
+        work = (seg.seg.count * width if encoding in (SPARSE_EXP2, FULL_EXP)
                 else sum(s.nbytes for s in seg.streams))
         self.open_bytes[key] = self.open_bytes.get(key, 0) + work
         if self.open_bytes[key] >= self.cfg.block_bytes:
@@ -274,8 +270,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         if exp is not None and nnz >= EXP_MIN_CHANGES:
             order, ranks, sizes, counts = exp
             z = join_planes(planes[4:], UINT[w])
-            encoding, planes = _smaller(planes, lambda: expgroup.pack(exp_dtype, counts, sizes, ranks, z[order],
-                                                                      stored_k=EXP_ENCODING == SPARSE_EXP2),
+            encoding, planes = _smaller(planes, lambda: expgroup.pack(exp_dtype, counts, sizes, ranks, z[order]),
                                         count, config)
         seg = Segment(r.t_idx, r.start, count, nnz if kind == "sparse" else count)
         return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(seg, planes), nnz, pos, values)
@@ -299,9 +294,7 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     pieces, z = sparse_sub_pieces(pos, ov, nv)
     encoding = SPARSE_SUB
     if nnz >= EXP_MIN_CHANGES and (exp_dtype := _exp_dtype(new, config)) is not None:
-        encoding, pieces = _smaller(pieces, lambda: expgroup.build(onp, pos, z, exp_dtype,
-                                                                   stored_k=EXP_ENCODING == SPARSE_EXP2),
-                                    count, config)
+        encoding, pieces = _smaller(pieces, lambda: expgroup.build(onp, pos, z, exp_dtype), count, config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
     return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()), None)
 
@@ -315,7 +308,7 @@ def _absolute(pos: np.ndarray, start: int, numel: int) -> np.ndarray:
 
 
 def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
-    """The dtype name when ``t``'s sparse ranges may be written as sparse-exp, else None."""
+    """The dtype name when ``t``'s sparse ranges may be written as sparse-exp2, else None."""
     if not config.exp_groups:
         return None
     name = dtype_name(t.dtype)
@@ -323,7 +316,7 @@ def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
 
 
 EXP_MIN_CHANGES = 64
-"""Ranges with fewer changes stay ``sparse-sub`` without trying ``sparse-exp``: its side information
+"""Ranges with fewer changes stay ``sparse-sub`` without trying ``sparse-exp2``: its side information
 (the counts and Rice parameters of the groups, six stream pieces) outweighs what it saves there,
 and the trial (grouping, coding, compressing both) costs more than encoding the range itself.
 On the real-weights run (bench/codec.py --v2 --real) 16, 64 and 256 all give 7.64 bits per change
@@ -331,9 +324,9 @@ over 24 steps (7.65 when every range tries), 1024 gives 8.29; the 64 ranges of 3
 that model then encode in 100 µs each instead of 230."""
 
 EXP_MIN_SAVING = 0.0005
-"""Bits per element of a range that ``sparse-exp`` must save over ``sparse-sub`` to be written
+"""Bits per element of a range that ``sparse-exp2`` must save over ``sparse-sub`` to be written
 (one byte per 16384 elements); below that the range stays ``sparse-sub``, and where
-``sparse-sub`` itself is that small the ``sparse-exp`` trial is skipped. Decoding ``sparse-exp``
+``sparse-sub`` itself is that small the ``sparse-exp2`` trial is skipped. Decoding ``sparse-exp2``
 reads every element of the range (about 1 ns each), ``sparse-sub`` only the changes: a near-idle
 range, such as an embedding table of which a step touches a few rows, saved a few hundred bytes
 for a pass over millions of elements. On the real-weights run (bench/codec.py --v2 --real) the
@@ -342,15 +335,14 @@ word embedding (52% of that model's elements, about 0.01% of them changed per st
 more bytes at 0.1% random changes, 0.00025 and 0.0005 nothing there."""
 
 FULL_MIN_ELEMENTS = 1024
-"""Ranges of whole values shorter than this stay byte planes: a full-rans segment's tables (2 KiB
-raw, ~60 bytes stored) and their setup (~30 µs to decode) outweigh what it saves there, and all
-such ranges together are a small part of a model (biases, norms)."""
+"""Ranges of whole values shorter than this stay byte planes: a ``full-exp`` segment's base byte,
+escapes and setup outweigh what it saves there, and all such ranges together are a small part of
+a model (biases, norms)."""
 
 
 def _coded_full(t: torch.Tensor, count: int, config: CodecConfig) -> bool:
-    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-exp`` or ``full-rans``."""
-    return ((config.exp_full or (config.rans_full and rans.compiled())) and count >= FULL_MIN_ELEMENTS
-            and dtype_name(t.dtype) in FULL_DTYPES)
+    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-exp``."""
+    return config.exp_full and count >= FULL_MIN_ELEMENTS and dtype_name(t.dtype) in FULL_DTYPES
 
 
 def _level(encoding: str, stream: int, level: int) -> int:
@@ -359,36 +351,26 @@ def _level(encoding: str, stream: int, level: int) -> int:
 
 
 def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tuple[str, list[np.ndarray]]:
-    """``planes``, ``full-exp`` or ``full-rans`` pieces (the latter two as ``config`` allows) of one
-    range of whole values, whichever is the smallest stored (ties: in that order).
+    """``planes`` or ``full-exp`` pieces of one range of whole values, whichever is the smaller
+    stored (ties: planes).
 
-    Both coded encodings store the same raw field (sign and low mantissa bits) as their last
-    stream, and byte planes win only on values with little variety or with repeats (a constant, a
-    few levels, repeated rows), which show in that field (near random in trained weights). So the
-    planes are compressed to compare only when zstd shrinks the raw field; and ``full-exp`` with
-    few escapes needs no measuring at all then: it is smaller than the values themselves."""
-    cands: list[tuple[str, list[np.ndarray]]] = []
-    if config.exp_full:
-        cands.append((FULL_EXP, fullexp.encode(bits)))
-    if config.rans_full and rans.compiled():
-        cands.append((FULL_RANS, list(rans.encode(bits))))
-    raw = cands[0][1][-1]
-    raw_stored = _stored([raw], config)
-    if raw_stored >= 0.95 * raw.nbytes:
-        if len(cands) == 1 and cands[0][0] == FULL_EXP and 64 * cands[0][1][2].size <= bits.size:
-            return cands[0]
-        best = (bits.nbytes, PLANES, planes)
+    ``full-exp`` stores the raw field (sign and low mantissa bits) as its last stream, and byte
+    planes win only on values with little variety or with repeats (a constant, a few levels,
+    repeated rows), which show in that field (near random in trained weights). So the planes are
+    compressed to compare only when zstd shrinks the raw field; and ``full-exp`` with few escapes
+    needs no measuring at all then: it is smaller than the values themselves."""
+    pieces = fullexp.encode(bits)
+    raw_stored = _stored([pieces[-1]], config)
+    if raw_stored >= 0.95 * pieces[-1].nbytes:
+        if 64 * pieces[2].size <= bits.size:
+            return FULL_EXP, pieces
+        best = bits.nbytes
     else:
-        best = (min(bits.nbytes, _stored(planes, config)), PLANES, planes)
-    for encoding, pieces in cands:
-        if encoding == FULL_EXP:  # the base, the symbols (at their own level), the escapes
-            size = (pieces[0].nbytes + _stored([pieces[1]], config, level=fullexp.SYMBOLS_ZSTD_LEVEL)
-                    + _stored([pieces[2]], config))
-        else:  # the tables, the words (near random: stored as they are)
-            size = _stored([pieces[0]], config) + pieces[1].nbytes
-        if size + raw_stored < best[0]:
-            best = (size + raw_stored, encoding, pieces)
-    return best[1], best[2]
+        best = min(bits.nbytes, _stored(planes, config))
+    # the base, the symbols (at their own level), the escapes
+    size = (pieces[0].nbytes + _stored([pieces[1]], config, level=fullexp.SYMBOLS_ZSTD_LEVEL)
+            + _stored([pieces[2]], config) + raw_stored)
+    return (FULL_EXP, pieces) if size < best else (PLANES, planes)
 
 
 def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None = None) -> int:
@@ -398,7 +380,7 @@ def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None 
 
 def _smaller(v1: list[np.ndarray], v2: Callable[[], list[np.ndarray]], count: int, config: CodecConfig
              ) -> tuple[str, list[np.ndarray]]:
-    """``sparse-sub`` pieces ``v1`` of a segment of ``count`` elements, or the ``EXP_ENCODING``
+    """``sparse-sub`` pieces ``v1`` of a segment of ``count`` elements, or the ``sparse-exp2``
     pieces ``v2()`` builds where they are smaller by more than ``EXP_MIN_SAVING`` bits per element
     (not built when ``v1`` itself is under that)."""
     need = EXP_MIN_SAVING * count / 8  # bytes
@@ -406,7 +388,7 @@ def _smaller(v1: list[np.ndarray], v2: Callable[[], list[np.ndarray]], count: in
     if s1 <= need:
         return SPARSE_SUB, v1
     pieces = v2()
-    return (EXP_ENCODING, pieces) if s1 - _stored(pieces, config) > need else (SPARSE_SUB, v1)
+    return (SPARSE_EXP2, pieces) if s1 - _stored(pieces, config) > need else (SPARSE_SUB, v1)
 
 
 def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
@@ -482,7 +464,7 @@ def encode_version(new: Mapping[str, torch.Tensor],
             packer.add(sr.encoding, sr.width, sr.seg)
             if sr.encoding == DENSE_SUB:
                 update.ranges.append((sr.name, sr.start, sr.end, sr.values))
-            elif sr.encoding in (SPARSE_SUB, *EXP_ENCODINGS):
+            elif sr.encoding in (SPARSE_SUB, SPARSE_EXP2):
                 update.points.append((sr.name, sr.positions, sr.values))
         packer.finish()
     except BaseException:

@@ -1,21 +1,17 @@
-"""``sparse-exp``: changed positions coded per exponent group of the base (FORMAT.md §5).
+"""``sparse-exp2``: changed positions coded per exponent group of the base (FORMAT.md §5d).
 
 An element changes when the update crosses half an ulp of its value, and the ulp halves with each
 exponent step down, so within a range the change rate is nearly a function of the base value's
 exponent. Both ends hold the base, so both can split a range into **groups** by the exponent field
 of the base's bits; the positions of the changes are coded as gaps between **ranks** inside each
 group (the rank of an element: how many elements of its group lie before it in the range), with a
-Rice code whose parameter both ends derive from the group's size and its number of changes. The
+Rice code whose parameter the writer derives from the group's size and its number of changes and
+stores (one byte per group, in the counts stream, so a reader needs one pass). The
 value of a change is split into a sign bit, a "moved more than one step" bit, and, for those that
 did, the rest in byte planes.
 
 Ranks, group sizes and the member of a given rank are found by :mod:`.exprank` (one pass over the
 range, no sort).
-
-Two encodings share this code: ``sparse-exp`` derives each group's Rice parameter from the group's
-size, so a reader counts the groups of the whole range first (a second pass); ``sparse-exp2``
-stores the parameter (one byte per group, in the counts stream), so a reader needs one pass. Writers write
-``sparse-exp2``; ``sparse-exp`` stays readable (``stored_k=False``).
 
 Pure: numpy arrays in, numpy arrays out.
 """
@@ -38,7 +34,7 @@ EXP_FIELDS: dict[str, tuple[int, int]] = {
     "float8_e5m2fnuz": (2, 5),
 }
 """dtype -> (shift, bits) of the exponent field in the raw bits: the group of an element is
-``(u >> shift) & (2**bits - 1)``. Other dtypes have no ``sparse-exp`` encoding."""
+``(u >> shift) & (2**bits - 1)``. Other dtypes have no ``sparse-exp2`` encoding."""
 
 N_STREAMS = 6
 COUNTS, UNARY, REMAINDERS, SIGNS, BIG, REST = range(N_STREAMS)
@@ -85,10 +81,8 @@ def _packbits(bits: np.ndarray) -> np.ndarray:
     return np.packbits(bits, bitorder="little")
 
 
-def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z: np.ndarray, *,
-         stored_k: bool = True) -> list[np.ndarray]:
-    """The six stream pieces of one segment (FORMAT.md §5a): ``sparse-exp2`` (``stored_k``) or
-    ``sparse-exp``. ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
+def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> list[np.ndarray]:
+    """The six stream pieces of one ``sparse-exp2`` segment (FORMAT.md §5d). ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
     ``ranks`` and ``z`` (zigzag of the change, unsigned of the element's width) in change order.
     The Rice codes are written by a compiled loop where there is one, else with numpy: the same
     bytes."""
@@ -97,10 +91,10 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     n = counts[present].astype(np.int64)
     k = rice_k(sizes[present], n)
     count_pieces = split_planes(counts)
-    if stored_k:  # the writer's choice; the size-derived one codes real weights as well as the best of k ± 2
-        kfull = np.zeros(counts.size, dtype=np.uint8)
-        kfull[present] = k
-        count_pieces.append(kfull)
+    # the writer's choice; the size-derived one codes real weights as well as the best of k ± 2
+    kfull = np.zeros(counts.size, dtype=np.uint8)
+    kfull[present] = k
+    count_pieces.append(kfull)
     coded = exprank.rice_code(ranks, n, k)
     unary, rem = coded if coded is not None else _rice_numpy(ranks, n, k)
     one = z.dtype.type(1)
@@ -135,14 +129,14 @@ def _rice_numpy(ranks: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.nda
     return _packbits(unary), _packbits(np.concatenate(rem_parts))
 
 
-def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str, *, stored_k: bool = True) -> list[np.ndarray]:
-    """``sparse-exp2`` (``stored_k``) or ``sparse-exp`` stream pieces of one segment from its old raw
-    bits (the range), the sorted relative changed positions and their zigzag diffs (in position order).
-    ``sparse-exp2`` is written by compiled code from end to end where there is some (the same bytes)."""
-    if stored_k and (pieces := expwrite.build(old, pos, z, *_field(dtype))) is not None:
+def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str) -> list[np.ndarray]:
+    """``sparse-exp2`` stream pieces of one segment from its old raw bits (the range), the sorted
+    relative changed positions and their zigzag diffs (in position order). Written by compiled
+    code from end to end where there is some (the same bytes)."""
+    if (pieces := expwrite.build(old, pos, z, *_field(dtype))) is not None:
         return pieces
     order, ranks, sizes, counts = group_ranks(old, pos, dtype)
-    return pack(dtype, counts, sizes, ranks, z[order], stored_k=stored_k)
+    return pack(dtype, counts, sizes, ranks, z[order])
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -155,16 +149,15 @@ def _bits(piece: np.ndarray, nbits: int, where: str, what: str) -> np.ndarray:
 
 
 class SegmentReader:
-    """Walks a ``sparse-exp`` block's decoded streams segment by segment (cursors per stream)."""
+    """Walks a ``sparse-exp2`` block's decoded streams segment by segment (cursors per stream)."""
 
-    def __init__(self, streams: list[np.ndarray], width: int, where: str, *, stored_k: bool = True) -> None:
+    def __init__(self, streams: list[np.ndarray], width: int, where: str) -> None:
         self.s = streams
-        self.stored_k = stored_k
         self.w = width
         self.where = where
         self.cur = [0] * N_STREAMS
         self.compiled = exprank.compiled()
-        self.one_call = stored_k and expread.compiled()  # sparse-exp2 segments read by one compiled call
+        self.one_call = expread.compiled()  # segments read by one compiled call
         self._ones: np.ndarray | None = None  # the numpy decoder's: positions of the quotient stream's one bits
         self.one_cur = 0
 
@@ -185,23 +178,18 @@ class SegmentReader:
             if got is not None:
                 pos, z, self.cur = got
                 return pos, z
-        planes = self._take(COUNTS, (5 if self.stored_k else 4) * ng, "counts").reshape(-1, ng)
+        planes = self._take(COUNTS, 5 * ng, "counts").reshape(-1, ng)
         counts = (planes[:4].astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))[:, None]).sum(axis=0,
                                                                                                    dtype=np.uint64)
         if int(counts.sum()) != nnz:
             raise DecodeError(f"{where}: group counts add up to {int(counts.sum())}, the segment has {nnz} changes")
         present = np.flatnonzero(counts)
         n = counts[present].astype(np.int64)
-        if self.stored_k:  # sparse-exp2: stored; a group with more changes than elements fails in select
-            kfull = planes[4]
-            k = kfull[present].astype(np.int64)
-            if (k > 31).any() or np.count_nonzero(kfull) != np.count_nonzero(k):
-                raise DecodeError(f"{where}: a Rice parameter is over 31, or set for a group without changes")
-        else:  # sparse-exp: derived from the group sizes, one pass over the range
-            sizes = exprank.sizes(old, present, shift, mask)
-            if (n > sizes).any():
-                raise DecodeError(f"{where}: a group holds more changes than elements")
-            k = rice_k(sizes, n)
+        # stored; a group with more changes than elements fails in select
+        kfull = planes[4]
+        k = kfull[present].astype(np.int64)
+        if (k > 31).any() or np.count_nonzero(kfull) != np.count_nonzero(k):
+            raise DecodeError(f"{where}: a Rice parameter is over 31, or set for a group without changes")
         starts = np.zeros(n.size + 1, dtype=np.int64)
         np.cumsum(n, out=starts[1:])
         ranks = self._ranks(nnz, n, k, starts)

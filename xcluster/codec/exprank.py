@@ -1,4 +1,4 @@
-"""Ranks inside exponent groups: the one costly step of ``sparse-exp`` (FORMAT.md §5a), done fast.
+"""Ranks inside exponent groups: the one costly step of ``sparse-exp2`` (FORMAT.md §5d), done fast.
 
 The **group** of an element is the exponent field of its base value; its **rank** is how many
 elements of its group lie before it in the range. The encoder needs the rank of every changed
@@ -409,7 +409,7 @@ RICE_ERRORS = {
 
 
 def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: np.ndarray, k: np.ndarray):
-    """Compiled Rice decoding of one ``sparse-exp`` segment (FORMAT.md §5a): the ranks of its
+    """Compiled Rice decoding of one ``sparse-exp2`` segment (FORMAT.md §5d): the ranks of its
     changes in change order, groups of ``n[i]`` changes coded with parameter ``k[i]``, from the
     quotient bits at byte ``ustart`` of ``unary`` and the remainder bits at byte ``rstart`` of
     ``rem``. Returns ``(ranks, unary end, remainder end, error)``, byte offsets after the segment's
@@ -423,7 +423,7 @@ def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: 
 
 
 def rice_code(ranks_: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Compiled Rice coding of one ``sparse-exp`` segment's ranks (change order; group i: the next
+    """Compiled Rice coding of one ``sparse-exp2`` segment's ranks (change order; group i: the next
     ``n[i]`` ranks, parameter ``k[i]``): its quotient and remainder pieces, the bytes
     :func:`expgroup.pack`'s numpy code writes; None without the compiled kernels."""
     kern = _kernels()

@@ -1,6 +1,6 @@
 """Select inside exponent groups (the decoder's costly pass): element by element, or 64 at a time.
 
-The decoder of ``sparse-exp`` (FORMAT.md §5a) knows, for each group with changes, the ranks of its
+The decoder of ``sparse-exp2`` (FORMAT.md §5d) knows, for each group with changes, the ranks of its
 changed members, and must find the elements that hold them. The plain loop (:func:`_plain`)
 visits every element: it computes the element's group, counts it down and tests for a hit, about
 1 ns an element on real weights, the largest part of applying a delta.

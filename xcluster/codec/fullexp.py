@@ -6,11 +6,10 @@ two top mantissa bits, whose distribution depends on the exponent. A tensor's ex
 fewer than 64 values, so the exponent (relative to a per-segment **base**) and the two top mantissa
 bits fit one byte: ``4·(e − base) + m``. A stream of such bytes is what zstd's literal coder
 (Huffman, in C) handles best, and decodes at a few GB/s; the remaining six bits (sign and five low
-mantissa bits, near random in trained weights) are stored packed, as in ``full-rans``. Exponents
+mantissa bits, near random in trained weights) are stored packed. Exponents
 outside the window of 63 are escaped: symbol ``252 + m``, the exponent in a stream of its own.
 
-On real weights: about 10.58 bits per element (``full-rans``: 10.56, byte planes: 10.96), decoded
-at over 1 GB/s per core (``full-rans``: 0.6-0.9).
+On real weights: about 10.58 bits per element (byte planes: 10.96), decoded at over 1 GB/s per core.
 
 Two implementations give identical results: loops compiled by numba (imported lazily) and numpy
 (about ten times slower), so writers and readers work without numba.
@@ -26,8 +25,10 @@ import numpy as np
 
 from ..errors import DecodeError
 from . import jit
-from .rans import RAW_BITS, check_out, raw_bytes, raw_piece, used_up
 from .streams import Reader
+
+RAW_BITS = 6
+"""Bits of each value stored as they are: the sign and the five low mantissa bits."""
 
 WINDOW = 63
 """Exponents ``base … base + 62`` have symbols of their own."""
@@ -42,6 +43,38 @@ spurious matches in it that cost more than the literals (4.58 bits per symbol at
 4.70-4.83 at 3-9 on real weights)."""
 
 log = logging.getLogger(__name__)
+
+
+def check_out(out: np.ndarray, count: int) -> np.ndarray:
+    """``out``, if it can take a segment of ``count`` values (a writable, contiguous uint16 array)."""
+    if out.dtype != np.uint16 or out.shape != (count,) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"a segment of {count} values needs a writable contiguous uint16 array of that size, "
+                         f"got {out.dtype} {out.shape}")
+    return out
+
+
+def used_up(where: str, **streams: tuple[int, np.ndarray]) -> None:
+    """A DecodeError unless each stream (name: (bytes read, the stream)) is read to its end."""
+    for name, (pos, arr) in streams.items():
+        if pos != arr.size:
+            raise DecodeError(f"{where}: {arr.size - pos} bytes left over in the {name} stream")
+
+
+def raw_bytes(count: int) -> int:
+    """Bytes of a segment's piece of the raw stream."""
+    return (RAW_BITS * count + 7) // 8
+
+
+def raw_piece(raw: np.ndarray, pos: int, count: int, where: str) -> np.ndarray:
+    """The piece of a raw stream (FORMAT.md §5e) from byte ``pos`` that holds ``count`` fields, its
+    padding bits checked."""
+    rb = raw_bytes(count)
+    if pos + rb > raw.size:
+        raise DecodeError(f"{where}: the raw stream ends early")
+    piece = raw[pos:pos + rb]
+    if count % 4 and int(piece[-1]) >> (RAW_BITS * count % 8):
+        raise DecodeError(f"{where}: nonzero padding bits in the raw stream")
+    return piece
 
 
 PREFERRED_BASE = 80
