@@ -459,11 +459,17 @@ def _list(obj: dict, key: str, where: str) -> list:
     return v
 
 
+def _no_constant(name: str) -> None:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259), though Python's json reads
+    them; no xcluster object holds one, and a signed payload could not be re-encoded with it."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _load_json(data: bytes, where: str, limit: int, fmt: str) -> dict:
     if len(data) > limit:
         raise FormatError(f"{where}: {len(data)} bytes is over the {limit}-byte limit")
     try:
-        obj = json.loads(data)
+        obj = json.loads(data, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FormatError(f"{where}: not valid JSON ({exc}); the object is corrupt or not xcluster's") from exc
     if not isinstance(obj, dict):

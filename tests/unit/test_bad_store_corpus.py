@@ -107,7 +107,7 @@ class Env:
 
 
 def encode(obj: Any) -> bytes:
-    """Valid JSON, not necessarily canonical (readers accept any JSON; NaN stays as written)."""
+    """Valid JSON, not necessarily canonical (readers accept any JSON; NaN stays as written, and is refused)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -366,7 +366,7 @@ CASES = [
     C("manifest_blocks_not_a_list", edit(3, set_at(("blocks",), {})), FormatError, "'blocks' must be a list"),
     C("manifest_version_is_bool", edit(3, set_at(("version",), True)), FormatError, "'version' must be an integer"),
     C("manifest_time_is_float", edit(3, set_at(("created_unix_ms",), 1.0)), FormatError, "'created_unix_ms'"),
-    C("manifest_step_is_nan", edit(3, set_at(("step",), float("nan"))), FormatError, "'step'"),
+    C("manifest_step_is_nan", edit(3, set_at(("step",), float("nan"))), FormatError, "NaN is not a JSON value"),
     C("manifest_int_of_5000_digits", splice(3, "step", "9" * 5000), FormatError, "not valid JSON"),
     C("manifest_deeply_nested_field", splice(3, "step", "[" * 200_000 + "]" * 200_000), FormatError,
       "not valid JSON"),

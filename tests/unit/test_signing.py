@@ -303,3 +303,31 @@ def test_unsigned_stores_still_work_without_trust(tmp_path):
     assert Subscriber(store=store).sync() == 1
     with pytest.raises(SignatureError, match="is not signed"):
         trusting(store, generate_keypair(tmp_path / "k")).sync()
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_nan_in_head_is_a_format_error_for_every_reader(tmp_path, keys, constant):
+    """Review 2, item 9: JSON's NaN/Infinity (which Python's json accepts) in a signed HEAD made the
+    signed payload's re-encoding raise a bare ValueError in every daemon, relay and gc, no key
+    needed. Now every reader refuses it as a FormatError and keeps serving."""
+    from xcluster.relay import Relay, RelayConfig
+    from xcluster.retention import RetentionConfig, gc
+
+    store = LocalStore(tmp_path / "s")
+    pub = signed_pub(store, keys["a"])
+    pub.publish(weights(0))
+    sub = trusting(store, keys["a"])
+    assert sub.sync() == 1
+    raw = store.get(HEAD_KEY).data
+    store.put(HEAD_KEY, raw[:-1] + b',"x":' + constant.encode() + b"}")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        parse_head(store.get(HEAD_KEY).data)
+    with pytest.raises(FormatError, match="not valid JSON"):
+        sub.sync()
+    assert_unchanged(sub, 1, weights(0))
+    relay = Relay(src_store=store, dst_store=LocalStore(tmp_path / "d"),
+                  config=RelayConfig(once=True, lease_every_s=0))
+    with pytest.raises(FormatError, match="not valid JSON"):
+        relay.step()
+    with pytest.raises(FormatError, match="not valid JSON"):
+        gc(store, config=RetentionConfig(grace_s=0), apply=True)
