@@ -479,7 +479,8 @@ def _prepare(shard: Mapping[str, torch.Tensor | Slice]) -> tuple[dict[str, torch
 
 
 def _check_layout(layouts: list[list[list]]) -> dict[str, dict]:
-    """The ranks' layouts as one: ``{name: {"dtype", "shape", "parts": {offset: count}}}``, or
+    """The ranks' layouts as one: ``{name: {"dtype", "shape", "parts": {offset: count},
+    "ranks": {offset: rank}}}``, or
     :class:`ShardLayoutError` when they do not tile every tensor exactly once."""
     by_name: dict[str, list[tuple[int, int, int, str, tuple]]] = {}
     for rank, rows in enumerate(layouts):
@@ -507,7 +508,10 @@ def _check_layout(layouts: list[list[list]]) -> dict[str, dict]:
         else:
             if pos != numel:
                 problems.append(f"{name}: parts cover elements [0, {pos}) of {numel}")
-        out[name] = {"dtype": dtype, "shape": list(shape), "parts": {str(o): k for o, k, _, _, _ in ps}}
+        # the owner of each part is in the layout too: ranks that trade equal parts still diff
+        # against bases of their own, so such a version must be a keyframe, not a delta
+        out[name] = {"dtype": dtype, "shape": list(shape), "parts": {str(o): k for o, k, _, _, _ in ps},
+                     "ranks": {str(o): r for o, _, r, _, _ in ps}}
     if problems:
         raise ShardLayoutError("the ranks' shards do not tile the model: " + "; ".join(problems[:20]))
     return out

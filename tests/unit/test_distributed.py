@@ -158,6 +158,11 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
         elif scenario == "plain":
             for step in range(2):
                 publish(step)
+        elif scenario == "swap":  # the ranks trade their equal slices (and the whole tensors) at step 1
+            publish(0)
+            for step in (1, 2):  # swapped from now on
+                r = pub.publish(shard_of(full_state(step), world - 1 - rank, world), step=step)
+                ev({"step": step, "version": r.version, "kind": r.kind})
         elif scenario.startswith(("kill", "hang")):
             publish(0)
             victim = int(scenario[4:])
@@ -171,7 +176,7 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
                 ev({"lost": type(exc).__name__, "seconds": time.monotonic() - t0, "msg": str(exc)})
     finally:
         (rootp / f"rank{rank}.json").write_text(json.dumps(log))
-    if scenario in ("main", "plain"):
+    if scenario in ("main", "plain", "swap"):
         dist.destroy_process_group()
     os._exit(0)  # a survivor of a lost rank must not wait for the group at exit
 
@@ -261,6 +266,21 @@ def test_four_ranks_reconstruct_bit_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ranks_that_swap_equal_slices_publish_versions_every_subscriber_applies(tmp_path):
+    """Review 2, item 13: the layout recorded offsets and counts, not which rank held them, so two
+    ranks trading equal slices each encoded a delta against the other's rows: a version no
+    subscriber could apply. Now the owner is part of the layout: the swap is a keyframe."""
+    logs = run_ranks(tmp_path, 2, "swap")
+    assert all(lg is not None for lg in logs)
+    assert [[(e["version"], e["kind"]) for e in lg["events"]] for lg in logs] == \
+        [[(1, "keyframe"), (2, "keyframe"), (3, "delta")]] * 2
+    parts = expected_parts(2)
+    assert parts["embed"] == [300 * 16, 300 * 16]  # equal slices: offsets and counts unchanged by the swap
+    check_versions(LocalStore(tmp_path / "store"), {1: (0, parts), 2: (1, parts), 3: (2, parts)})
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scenario, victim, within", [("kill", 1, 19), ("kill", 0, 19), ("hang", 1, 15)],
                          ids=["worker-killed", "rank0-killed", "worker-hangs"])
@@ -314,10 +334,13 @@ def test_layout_of_slices_and_whole_tensors():
     assert rows0 == [["b", "float32", [2], 0, 2], ["w", "float32", [4, 3], 0, 3]]
     assert rows1 == [["w", "float32", [4, 3], 3, 9]] and set(t1) == {"w"}
     assert _check_layout([rows0, rows1])["w"]["parts"] == {"0": 3, "3": 9}
+    assert _check_layout([rows0, rows1])["w"]["ranks"] == {"0": 0, "3": 1}  # who holds each part
+    assert _check_layout([rows1, rows0])["w"]["ranks"] == {"0": 1, "3": 0}  # swapped: another layout
     # a tensor without elements may come from several ranks (nothing to tile), never vanishes
     _, e0 = _prepare({"e": Slice(torch.zeros(0, 3), offset=0, global_shape=(0, 3))})
     _, e1 = _prepare({"e": torch.zeros(0, 3)})
-    assert _check_layout([e0, e1])["e"] == {"dtype": "float32", "shape": [0, 3], "parts": {"0": 0}}
+    assert _check_layout([e0, e1])["e"] == {"dtype": "float32", "shape": [0, 3], "parts": {"0": 0},
+                                            "ranks": {"0": 1}}
     for bad in (Slice(w[1:], offset=2, global_shape=(4, 3)), Slice(w, offset=0, global_shape=(4, 4)),
                 Slice(w, offset=-1, global_shape=(4, 3))):
         with pytest.raises(ShardLayoutError, match="not a dim-0 slice"):
