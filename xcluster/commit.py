@@ -126,27 +126,14 @@ class Committer:
                     f"{self.store.url}/{key} exists with other content: attempt ids collided or another "
                     "publisher reuses this one's; run one publisher per prefix") from None
         data = head.to_bytes()
+        self._check_unmoved(head)
         try:
             if self.etag is None:
                 etag = self.store.put(HEAD_KEY, data, if_none_match=True)
             else:
                 etag = self.store.put(HEAD_KEY, data, if_match=self.etag)
         except PreconditionFailedError as exc:
-            try:
-                now, now_etag = read_head(self.store)
-                moved = f" (it names version {now.version} now)" if now else ""
-            except Exception:
-                now, moved = None, ""
-            if now is not None and (now.version, now.manifest_xxh3_128) in self._given_up:
-                self.head, self.etag = now, now_etag
-                self._given_up.clear()
-                raise LateCommitError(
-                    f"{self.store.url}/{HEAD_KEY}: an earlier HEAD write of this publisher, given up on, landed "
-                    f"later: version {now.version} is committed with that attempt's manifest") from exc
-            raise ConcurrentPublisherError(
-                f"{self.store.url}/{HEAD_KEY} moved under this publisher{moved}: another publisher committed to "
-                f"this prefix after version {self.version}; run one publisher per prefix. Nothing was deleted: "
-                f"this attempt's objects under versions/{head.version:012d}/ are left for `xcluster gc`") from exc
+            self._moved(head, exc)
         except Exception:
             etag = self._landed(head)  # a timeout does not say the write failed
             if etag is None:
@@ -160,7 +147,58 @@ class Committer:
             raise
         self.head, self.etag = head, etag
         self._given_up.clear()
+        self._check_won(head)
         return CommitOutcome(head=head, head_bytes=len(data), etag=etag, manifest_bytes=len(stored))
+
+    def _moved(self, head: Head, exc: BaseException | None) -> None:
+        """HEAD is not the one this writer last saw: raise what that means."""
+        try:
+            now, now_etag = read_head(self.store)
+            moved = f" (it names version {now.version} now)" if now else ""
+        except Exception:
+            now, now_etag, moved = None, None, ""
+        if now is not None and (now.version, now.manifest_xxh3_128) in self._given_up:
+            self.head, self.etag = now, now_etag
+            self._given_up.clear()
+            raise LateCommitError(
+                f"{self.store.url}/{HEAD_KEY}: an earlier HEAD write of this publisher, given up on, landed "
+                f"later: version {now.version} is committed with that attempt's manifest") from exc
+        raise ConcurrentPublisherError(
+            f"{self.store.url}/{HEAD_KEY} moved under this publisher{moved}: another publisher committed to "
+            f"this prefix after version {self.version}; run one publisher per prefix. Nothing was deleted: "
+            f"this attempt's objects under versions/{head.version:012d}/ are left for `xcluster gc`") from exc
+
+    def _check_unmoved(self, head: Head) -> None:
+        """Before the swap: HEAD is still the one this writer last saw. The compare-and-swap says
+        the same on a store that enforces its precondition; this plain read is for one that does
+        not (docs/S3.md: SeaweedFS does not promise it under concurrency), so that a second
+        publisher is refused instead of overwriting a committed version. A read that fails
+        proves nothing: the swap goes ahead, guarded by its precondition alone."""
+        try:
+            now, _ = read_head(self.store)
+        except Exception:
+            log.warning("HEAD could not be read before committing version %d", head.version, exc_info=True)
+            return
+        seen = None if self.head is None else (self.head.version, self.head.manifest_xxh3_128)
+        if (None if now is None else (now.version, now.manifest_xxh3_128)) != seen:
+            self._moved(head, None)
+
+    def _check_won(self, head: Head) -> None:
+        """After the swap: HEAD names this writer's manifest. A store that let two conditional
+        writes through (see :meth:`_check_unmoved`) shows the other one here: the version this
+        writer wrote is not the committed one, and it says so instead of reporting success."""
+        try:
+            now, now_etag = read_head(self.store)
+        except Exception:  # the swap succeeded; a failed read-back proves nothing either way
+            log.warning("HEAD could not be read back after committing version %d", head.version, exc_info=True)
+            return
+        if now is not None and now.version == head.version and now.manifest_xxh3_128 != head.manifest_xxh3_128:
+            self.head, self.etag = now, now_etag
+            raise ConcurrentPublisherError(
+                f"{self.store.url}/{HEAD_KEY}: another publisher's version {now.version} replaced this one's "
+                "although both writes were conditional: this store does not enforce conditional writes under "
+                "concurrency (docs/S3.md); run one publisher per prefix. Readers never apply the lost version: "
+                "nothing links to it")
 
     def _landed(self, head: Head) -> str | None:
         """After a HEAD write failed without a verdict: the new etag if it landed, else None

@@ -393,3 +393,37 @@ def test_a_manifest_write_that_landed_before_its_retry_counts_as_written(tmp_pat
     other = LandedThenPreconditionStore(LocalStore(tmp_path / "b"), other=b"another attempt's manifest")
     with pytest.raises(ConcurrentPublisherError, match="exists with other content"):
         Publisher(store=other, config=cfg).publish(weights(0))
+
+
+class IgnoresPreconditions:
+    """A store whose conditional writes of HEAD always succeed, as a backend that does not enforce
+    If-Match would let them (docs/S3.md: SeaweedFS promises it only without concurrency)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def put(self, key, data, **kw):
+        if key == HEAD_KEY:
+            kw.pop("if_match", None)
+            kw.pop("if_none_match", None)
+        return self.inner.put(key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_second_publisher_is_refused_where_the_store_does_not_enforce_conditional_writes(tmp_path):
+    """Review 2, the HEAD race: on a store that lets a stale conditional write through, a second
+    publisher overwrote the version another had committed, and both reported success. HEAD is
+    read before the swap: the second is refused, the first's version stays committed."""
+    store = IgnoresPreconditions(LocalStore(tmp_path))
+    a = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    a.publish(weights(0))
+    b = Publisher(store=store, config=PublisherConfig(keyframe_every=100))  # sees version 1
+    won = a.publish(weights(1))
+    with pytest.raises(ConcurrentPublisherError, match="moved under this publisher"):
+        b.publish(weights(5))
+    assert parse_head(store.get(HEAD_KEY).data).version == won.version == 2
+    sub = Subscriber(store=store.inner)
+    assert sub.sync() == 2
+    assert_state_equal(sub.state_dict(), weights(1))
