@@ -202,9 +202,10 @@ class Daemon:
             state, files = self.model_dir.load(st.version)
             self.subscriber.restore(state, mdata)
         except XclusterError as exc:
-            log.warning("the directory of version %d does not match its manifest (%s): starting from the "
-                        "newest keyframe", st.version, exc)
+            log.warning("the directory of version %d does not match its manifest (%s): setting it aside and "
+                        "starting from the newest keyframe", st.version, exc)
             self._count_error(exc)
+            self.model_dir.discard(st.version)  # an engine (re)started on `current` must not load it
             return
         self._files.update({xxh3_128(b): b for b in files.values()})
         self._state = st
