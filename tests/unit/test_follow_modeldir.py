@@ -227,6 +227,33 @@ def test_discard_sets_a_bad_version_aside_and_unlinks_current(tmp_path):
     assert list((tmp_path / "versions").iterdir()) == []
 
 
+def test_load_checks_the_non_weight_files_against_the_expected_ones(tmp_path):
+    """Review item: load() handed back whatever non-weight files were in the directory."""
+    md = ModelDir(tmp_path)
+    path = md.write_version(1, {"w": torch.ones(4)}, {"config.json": b'{"a": 1}'})
+    want = {"config.json": (8, xxh3_128(b'{"a": 1}'))}
+    assert md.load(1, expected_files=want)[1] == {"config.json": b'{"a": 1}'}
+    (path / "config.json").write_bytes(b'{"a": 2}')  # same size, other bytes
+    with pytest.raises(ModelDirError, match="config.json"):
+        md.load(1, expected_files=want)
+    (path / "config.json").write_bytes(b'{"a": 1}')
+    (path / "tokenizer_config.json").write_bytes(b'{"chat_template": "x"}')
+    with pytest.raises(ModelDirError, match="tokenizer_config.json"):
+        md.load(1, expected_files=want)
+    (path / "tokenizer_config.json").unlink()
+    (path / "sub").mkdir()
+    with pytest.raises(ModelDirError, match="sub"):
+        md.load(1, expected_files=want)
+    (path / "sub").rmdir()
+    with pytest.raises(ModelDirError, match="missing"):
+        md.load(1, expected_files={**want, "tokenizer.json": (2, xxh3_128(b"{}"))})
+    (path / "config.json").unlink()
+    (path / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_bytes(b'{"a": 1}')
+    with pytest.raises(ModelDirError, match="config.json"):
+        md.load(1, expected_files=want)
+
+
 # --- the daemon restarting on a directory that was changed under it --------------------------
 FILES = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"version": "1.0"}'}
 
@@ -269,7 +296,8 @@ def _drop_tokenizer(vdir: Path) -> None:
     (vdir / "tokenizer.json").unlink()
 
 
-@pytest.mark.parametrize("damage", [_corrupt_shard])
+@pytest.mark.parametrize("damage", [_corrupt_shard, _change_config, _grow_config, _inject_chat_template,
+                                    _drop_tokenizer])
 def test_a_restart_on_a_bad_directory_sets_it_aside_and_repairs_it(tmp_path, damage):
     """Review items: after a restart found versions/N corrupt, ``current`` stayed on it and every
     later poll failed; non-weight files changed or added under --out were handed to the engine."""

@@ -204,18 +204,25 @@ class ModelDir:
         fsync_path(self.root, directory=True)
 
     # --- reading ---------------------------------------------------------------------------------
-    def load(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+    def load(self, version: int, *, expected_files: Mapping[str, tuple[int, str]] | None = None,
+             ) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """Read ``versions/<version>`` back: (tensors, extra files), bit-exact.
 
         Sizes are checked before any tensor is read: each shard's header must account for the
         whole file, name exactly the tensors the index maps to it, and the sizes must add up to
-        the index's ``total_size``.
+        the index's ``total_size``. With ``expected_files`` (name -> (size, xxh3-128), a manifest's
+        ``files``) the directory must hold exactly those non-weight files, as regular files of
+        that size and hash, and nothing else besides the index and its shards: an engine is handed
+        the whole directory, so a changed config.json or an added tokenizer_config.json is as bad
+        as a changed tensor.
         """
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         directory = self.path(version)
         by_shard = self._checked_index(directory)
+        if expected_files is not None:
+            self._check_files(directory, set(by_shard), expected_files)
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(by_shard):
             try:
@@ -225,6 +232,30 @@ class ModelDir:
         files = {p.name: p.read_bytes() for p in sorted(directory.iterdir())
                  if p.is_file() and p.name != INDEX_NAME and p.name not in by_shard}
         return state, files
+
+    def _check_files(self, directory: Path, shards: set[str], expected: Mapping[str, tuple[int, str]]) -> None:
+        """Every entry of ``directory`` is the index, one of ``shards`` or an ``expected`` file
+        (a regular file of its size and xxh3-128), and every expected file is there."""
+        from ..format import xxh3_128
+
+        seen = set()
+        for p in sorted(directory.iterdir()):
+            if p.name == INDEX_NAME or p.name in shards:
+                if p.is_symlink() or not p.is_file():
+                    raise ModelDirError(f"{p} is not a regular file; the directory is not ours")
+                continue
+            if p.name not in expected:
+                raise ModelDirError(f"{p} is not among the files of version {directory.name}'s manifest "
+                                    "(added after it was written); the directory is not the one verified")
+            size, digest = expected[p.name]
+            if p.is_symlink() or not p.is_file():
+                raise ModelDirError(f"{p} is not a regular file; the manifest lists it as one")
+            if p.stat().st_size != size or xxh3_128(p.read_bytes()) != digest:
+                raise ModelDirError(f"{p} differs from the manifest's entry (size or xxh3-128); it was "
+                                    "changed after it was written")
+            seen.add(p.name)
+        if missing := sorted(set(expected) - seen):
+            raise ModelDirError(f"{directory} is missing {', '.join(missing)}, listed in its manifest")
 
     def _checked_index(self, directory: Path) -> dict[str, list[str]]:
         """Parse and cross-check the index against every shard header; return shard -> names."""
