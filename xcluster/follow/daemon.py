@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
                       StoreError, XclusterError)
-from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
+from ..format import Lease, Manifest, check_node_id, file_key, lease_key, parse_manifest, xxh3_128
 from ..retry import Backoff
 from ..store import Store, resolve_store
 from ..subscriber import AppliedVersion, Subscriber, SubscriberConfig
@@ -198,13 +198,15 @@ class Daemon:
             return
         st, mdata = rec
         self.subscriber.refuse_below(st.version)  # whatever happens next, the store may not go backwards
-        try:
-            state, files = self.model_dir.load(st.version)
+        try:  # the non-weight files as well: the engine is handed the whole directory
+            listed = {f.name: (f.size, f.xxh3_128) for f in parse_manifest(mdata, where="restored manifest").files}
+            state, files = self.model_dir.load(st.version, expected_files=listed)
             self.subscriber.restore(state, mdata)
         except XclusterError as exc:
-            log.warning("the directory of version %d does not match its manifest (%s): starting from the "
-                        "newest keyframe", st.version, exc)
+            log.warning("the directory of version %d does not match its manifest (%s): setting it aside and "
+                        "starting from the newest keyframe", st.version, exc)
             self._count_error(exc)
+            self.model_dir.discard(st.version)  # an engine (re)started on `current` must not load it
             return
         self._files.update({xxh3_128(b): b for b in files.values()})
         self._state = st

@@ -25,6 +25,9 @@ handed to them.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import logging
 import os
@@ -118,9 +121,12 @@ class ModelDir:
 
         If ``versions/<version>`` already exists (a crash after the rename, before ``current``
         moved), it is **reused only if verified**: every tensor and file read back equals what was
-        given, bit for bit. Otherwise it is **replaced** by the freshly written copy (the old one is
-        renamed to a temp name first, then deleted); replacing the version ``current`` names is
-        refused with :class:`ModelDirError`, since the engine may be reading it.
+        given, bit for bit. Otherwise it is **replaced** by the freshly written copy, also when
+        ``current`` names it (a corrupt directory found after a restart): the complete copy is
+        written beside it first and swapped in with one ``renameat2(RENAME_EXCHANGE)``, so the
+        path ``current`` names holds a complete directory throughout; only then is the bad one
+        deleted. Where the filesystem cannot exchange, the bad one is renamed away and the copy
+        renamed in (between the two, ``current`` names nothing: never a mixed directory).
         """
         final = self.path(version)
         names = sorted(state)
@@ -133,19 +139,21 @@ class ModelDir:
             if self._matches(final, state, extra):
                 log.info("version dir %s already complete and verified; reusing it", final)
                 return final
-            if self.current_version() == version:
-                raise ModelDirError(f"{final} differs from version {version} being written but `current` "
-                                    "points at it; switch current to another version before rewriting it")
-            log.warning("version dir %s differs from version %d; replacing it", final, version)
+            log.warning("version dir %s differs from version %d%s; replacing it with a verified copy", final,
+                        version, " (`current` names it)" if self.current_version() == version else "")
         self._versions.mkdir(parents=True, exist_ok=True)
         tmp = self._temp_path(version)
         try:
             tmp.mkdir()
             self._write_into(tmp, state, names, extra)
             fsync_path(tmp, directory=True)
-            if final.exists():
-                self._remove(final)
-            os.rename(tmp, final)
+            if final.exists() and _exchange(tmp, final):
+                fsync_path(self._versions, directory=True)
+                shutil.rmtree(tmp)  # now the bad copy
+            else:
+                if final.exists():
+                    self._remove(final)
+                os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -196,18 +204,25 @@ class ModelDir:
         fsync_path(self.root, directory=True)
 
     # --- reading ---------------------------------------------------------------------------------
-    def load(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+    def load(self, version: int, *, expected_files: Mapping[str, tuple[int, str]] | None = None,
+             ) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """Read ``versions/<version>`` back: (tensors, extra files), bit-exact.
 
         Sizes are checked before any tensor is read: each shard's header must account for the
         whole file, name exactly the tensors the index maps to it, and the sizes must add up to
-        the index's ``total_size``.
+        the index's ``total_size``. With ``expected_files`` (name -> (size, xxh3-128), a manifest's
+        ``files``) the directory must hold exactly those non-weight files, as regular files of
+        that size and hash, and nothing else besides the index and its shards: an engine is handed
+        the whole directory, so a changed config.json or an added tokenizer_config.json is as bad
+        as a changed tensor.
         """
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         directory = self.path(version)
         by_shard = self._checked_index(directory)
+        if expected_files is not None:
+            self._check_files(directory, set(by_shard), expected_files)
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(by_shard):
             try:
@@ -217,6 +232,30 @@ class ModelDir:
         files = {p.name: p.read_bytes() for p in sorted(directory.iterdir())
                  if p.is_file() and p.name != INDEX_NAME and p.name not in by_shard}
         return state, files
+
+    def _check_files(self, directory: Path, shards: set[str], expected: Mapping[str, tuple[int, str]]) -> None:
+        """Every entry of ``directory`` is the index, one of ``shards`` or an ``expected`` file
+        (a regular file of its size and xxh3-128), and every expected file is there."""
+        from ..format import xxh3_128
+
+        seen = set()
+        for p in sorted(directory.iterdir()):
+            if p.name == INDEX_NAME or p.name in shards:
+                if p.is_symlink() or not p.is_file():
+                    raise ModelDirError(f"{p} is not a regular file; the directory is not ours")
+                continue
+            if p.name not in expected:
+                raise ModelDirError(f"{p} is not among the files of version {directory.name}'s manifest "
+                                    "(added after it was written); the directory is not the one verified")
+            size, digest = expected[p.name]
+            if p.is_symlink() or not p.is_file():
+                raise ModelDirError(f"{p} is not a regular file; the manifest lists it as one")
+            if p.stat().st_size != size or xxh3_128(p.read_bytes()) != digest:
+                raise ModelDirError(f"{p} differs from the manifest's entry (size or xxh3-128); it was "
+                                    "changed after it was written")
+            seen.add(p.name)
+        if missing := sorted(set(expected) - seen):
+            raise ModelDirError(f"{directory} is missing {', '.join(missing)}, listed in its manifest")
 
     def _checked_index(self, directory: Path) -> dict[str, list[str]]:
         """Parse and cross-check the index against every shard header; return shard -> names."""
@@ -277,6 +316,23 @@ class ModelDir:
         return True
 
     # --- housekeeping ----------------------------------------------------------------------------
+    def discard(self, version: int) -> None:
+        """Set a bad ``versions/<version>`` aside (renamed to a temp name, then deleted) so no engine
+        (re)started on ``current`` loads it; if ``current`` names it, ``current`` is removed too
+        (an engine then finds nothing rather than bad weights) until a verified copy is switched in."""
+        directory = self.path(version)
+        link = self.root / CURRENT_NAME
+        try:
+            names_it = self.current_version() == version
+        except ModelDirError:
+            names_it = False
+        if names_it:
+            link.unlink()
+            fsync_path(self.root, directory=True)
+        if directory.is_dir() and not directory.is_symlink():
+            self._remove(directory)
+            fsync_path(self._versions, directory=True)
+
     def prune(self) -> list[int]:
         """Delete every version but ``current`` and the ``keep`` newest others; return those deleted."""
         current = self.current_version()
@@ -319,6 +375,36 @@ class ModelDir:
 
 
 # --- helpers -------------------------------------------------------------------------------------
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2():
+    """libc's ``renameat2`` (glibc ≥ 2.28), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (``renameat2(RENAME_EXCHANGE)``); False where the libc,
+    the kernel or the filesystem cannot, so the caller falls back to two renames."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _is_decimal(name: str) -> bool:
     return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
 
