@@ -4,6 +4,7 @@ configs and calls the library (relay included)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -124,14 +125,16 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     handoff = None
     if args.engine != "none":
         handoff = make_handoff(args.engine, url=args.engine_url, body=args.engine_body, exec_cmd=args.exec_cmd,
-                               pause_mode=args.pause_mode,
-                               config=HandoffConfig(timeout_s=args.handoff_timeout))
+                               **_given(pause_mode=args.pause_mode),
+                               config=HandoffConfig(**_given(timeout_s=args.handoff_timeout)))
     notify_socket = os.environ.get("NOTIFY_SOCKET")  # systemd's, read here and passed down
+    poll = _or_default(args.poll, DaemonConfig, "poll_s")
     config = DaemonConfig(
-        out=Path(args.out), poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once,
-        node_id=args.node_id or default_node_id(), lease_every_s=args.lease_interval,
-        model_dir=ModelDirConfig(shard_bytes=args.shard_size, keep=args.keep),
-        subscriber=SubscriberConfig(fetch_workers=args.fetch_workers, trusted_keys=tuple(args.trust),
+        out=Path(args.out), poll_s=poll,
+        backoff_max_s=max(_or_default(args.backoff_max, DaemonConfig, "backoff_max_s"), poll), once=args.once,
+        node_id=args.node_id or default_node_id(), **_given(lease_every_s=args.lease_interval),
+        model_dir=ModelDirConfig(**_given(shard_bytes=args.shard_size, keep=args.keep)),
+        subscriber=SubscriberConfig(**_given(fetch_workers=args.fetch_workers), trusted_keys=tuple(args.trust),
                                     run_id=args.run_id, max_staleness_s=args.max_staleness),
         notify=notify_socket is not None, notify_socket=notify_socket,
         progress=sys.stderr.isatty() and not args.no_progress, warm_up=not args.no_warm_up)
@@ -154,8 +157,9 @@ def _add_subscribe(sub) -> None:
                        "model directory) is written, OUT/current switched, and the engine told to reload.")
     p.add_argument("url", help="store URL: a path, file://, s3://bucket/prefix, …")
     p.add_argument("--out", required=True, help="directory for model directories and state (e.g. /dev/shm/xc)")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between HEAD polls (default 1)")
-    p.add_argument("--backoff-max", type=float, default=30.0, help="longest wait while failing (default 30 s)")
+    p.add_argument("--poll", type=float, help="seconds between HEAD polls (default: DaemonConfig.poll_s)")
+    p.add_argument("--backoff-max", type=float,
+                   help="longest wait while failing, s (default: DaemonConfig.backoff_max_s)")
     p.add_argument("--once", action="store_true", help="apply and hand over what is there, then exit")
     p.add_argument("--engine", choices=["none", "vllm", "sglang", "http", "exec"], default="none",
                    help="how to hand a new directory to the engine (default none)")
@@ -163,18 +167,23 @@ def _add_subscribe(sub) -> None:
     p.add_argument("--engine-body", help="--engine http: JSON body template with {path} and {version}")
     p.add_argument("--exec", dest="exec_cmd", help="--engine exec: command run with XCLUSTER_MODEL_DIR and "
                    "XCLUSTER_VERSION set")
-    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep",
-                   help="vLLM: what happens to requests in flight during the switch (default keep)")
-    p.add_argument("--handoff-timeout", type=float, default=300.0, help="seconds per hand-off request")
-    p.add_argument("--keep", type=int, default=2, help="old version directories kept besides current (default 2)")
-    p.add_argument("--shard-size", type=int, default=5 * 10**9, help="bytes per safetensors shard (default 5 GB)")
-    p.add_argument("--fetch-workers", type=int, default=8, help="chunks fetched in parallel")
+    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"],
+                   help="vLLM: what happens to requests in flight during the switch (default: make_handoff's pause_mode)")
+    p.add_argument("--handoff-timeout", type=float,
+                   help="seconds per hand-off request (default: HandoffConfig.timeout_s)")
+    p.add_argument("--keep", type=int,
+                   help="old version directories kept besides current (default: ModelDirConfig.keep)")
+    p.add_argument("--shard-size", type=int,
+                   help="bytes per safetensors shard (default: ModelDirConfig.shard_bytes)")
+    p.add_argument("--fetch-workers", type=int,
+                   help="chunks fetched in parallel (default: SubscriberConfig.fetch_workers)")
     _add_trust(p)
     p.add_argument("--max-staleness", type=float, default=None, metavar="SECONDS",
                    help="refuse a HEAD committed longer ago than this (a frozen or replayed store; see "
                         "docs/SECURITY.md); what is held keeps being served")
     p.add_argument("--node-id", help="name in leases/<node-id>.json (default: hostname)")
-    p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
+    p.add_argument("--lease-interval", type=float,
+                   help="seconds between lease writes, 0: none (default: DaemonConfig.lease_every_s)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     p.add_argument("--log-format", choices=["plain", "json"], default="plain")
@@ -192,7 +201,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .status import fleet_status
     from .store import open_store
 
-    fs = fleet_status(open_store(args.url), lease_ttl_s=args.lease_ttl)
+    from .retention import RetentionConfig
+
+    fs = fleet_status(open_store(args.url), lease_ttl_s=_or_default(args.lease_ttl, RetentionConfig, "lease_ttl_s"))
     if args.json:
         print(json.dumps({"head": fs.head.version if fs.head else None, "subscribers": [
             {"node": s.lease.node_id, "version": s.lease.version, "behind": s.behind, "staleness_s": s.staleness_s,
@@ -224,7 +235,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .retention import RetentionConfig, gc
     from .store import open_store
 
-    report = gc(open_store(args.url), config=RetentionConfig(lease_ttl_s=args.lease_ttl, grace_s=args.grace),
+    report = gc(open_store(args.url), config=RetentionConfig(**_given(lease_ttl_s=args.lease_ttl, grace_s=args.grace)),
                 apply=args.apply)
     verb = "deleted" if report.applied else "would delete"
     for key, size, why in report.deleted:
@@ -244,7 +255,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
     from .store import open_store
 
-    retention = RetentionConfig(lease_ttl_s=args.gc_lease_ttl, grace_s=args.gc_grace) if args.gc else None
+    retention = RetentionConfig(**_given(lease_ttl_s=args.gc_lease_ttl, grace_s=args.gc_grace)) if args.gc else None
 
     def side(url: str, profile: str | None, endpoint: str | None):
         if profile is None and endpoint is None:
@@ -253,10 +264,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
         return open_store(url, s3=S3Config(profile=profile, endpoint_url=endpoint))
 
+    poll = _or_default(args.poll, RelayConfig, "poll_s")
     relay = Relay(src_store=side(args.src, args.src_profile, args.src_endpoint),
                   dst_store=side(args.dst, args.dst_profile, args.dst_endpoint), config=RelayConfig(
-        poll_s=args.poll, backoff_max_s=max(args.backoff_max, args.poll), once=args.once, workers=args.workers,
-        node_id=args.node_id or default_relay_id(), lease_every_s=args.lease_interval,
+        poll_s=poll, backoff_max_s=max(_or_default(args.backoff_max, RelayConfig, "backoff_max_s"), poll),
+        once=args.once, **_given(workers=args.workers, lease_every_s=args.lease_interval),
+        node_id=args.node_id or default_relay_id(),
         trusted_keys=tuple(args.trust), gc=retention))
     restore = relay.install_signal_handlers()
     try:
@@ -280,18 +293,23 @@ def _add_relay(sub) -> None:
                        "endpoint_url; default: the standard chain)")
         p.add_argument(f"--{end}-endpoint", help=f"S3 endpoint URL of the {end} store (default: the profile's, "
                        "$AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS)")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the source's HEAD")
-    p.add_argument("--backoff-max", type=float, default=30.0, help="longest wait while failing (s)")
+    p.add_argument("--poll", type=float, help="seconds between polls of the source's HEAD (default: "
+                   "RelayConfig.poll_s)")
+    p.add_argument("--backoff-max", type=float, help="longest wait while failing, s (default: "
+                   "RelayConfig.backoff_max_s)")
     p.add_argument("--once", action="store_true", help="copy what is there, then exit")
-    p.add_argument("--workers", type=int, default=8, help="objects copied in parallel")
+    p.add_argument("--workers", type=int, help="objects copied in parallel (default: RelayConfig.workers)")
     p.add_argument("--node-id", help="name of this relay's lease in the source (default: relay-<hostname>)")
-    p.add_argument("--lease-interval", type=float, default=5.0, help="seconds between lease writes (0: none)")
+    p.add_argument("--lease-interval", type=float,
+                   help="seconds between lease writes, 0: none (default: RelayConfig.lease_every_s)")
     p.add_argument("--trust", action="append", default=[], metavar="KEY.pub",
                    help="copy only versions signed by this key (subscribers check again)")
     p.add_argument("--gc", action="store_true", help="after each keyframe, run retention on the destination "
                    "by its subscribers' leases")
-    p.add_argument("--gc-grace", type=float, default=3600.0, help="with --gc: never delete younger objects (s)")
-    p.add_argument("--gc-lease-ttl", type=float, default=300.0, help="with --gc: leases fresher than this protect")
+    p.add_argument("--gc-grace", type=float,
+                   help="with --gc: never delete younger objects, s (default: RetentionConfig.grace_s)")
+    p.add_argument("--gc-lease-ttl", type=float,
+                   help="with --gc: leases fresher than this protect, s (default: RetentionConfig.lease_ttl_s)")
     p.add_argument("--log-format", choices=["plain", "json"], default="plain")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_relay)
@@ -325,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_relay(sub)
     st = sub.add_parser("status", help="the subscribers following a store, from their leases")
     st.add_argument("url")
-    st.add_argument("--lease-ttl", type=float, default=300.0, help="a lease older than this is expired (s)")
+    st.add_argument("--lease-ttl", type=float,
+                    help="a lease older than this is expired, s (default: RetentionConfig.lease_ttl_s)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--fail-if-behind", type=int, default=None,
                     help="exit 3 if a live subscriber is more than N versions behind HEAD (alerting)")
@@ -333,10 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gc", help="retention: delete what neither HEAD nor a live subscriber needs (dry run)")
     g.add_argument("url")
     g.add_argument("--apply", action="store_true", help="delete (default: only print what would go)")
-    g.add_argument("--lease-ttl", type=float, default=300.0, help="leases fresher than this protect (s)")
-    g.add_argument("--grace", type=float, default=3600.0, help="never delete objects younger than this (s)")
+    g.add_argument("--lease-ttl", type=float,
+                   help="leases fresher than this protect, s (default: RetentionConfig.lease_ttl_s)")
+    g.add_argument("--grace", type=float,
+                   help="never delete objects younger than this, s (default: RetentionConfig.grace_s)")
     g.set_defaults(func=cmd_gc)
     return p
+
+
+def _given(**options):
+    """The options given on the command line (not None): the rest take their config's default,
+    which the CLI never restates."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _or_default(value, config_cls, name: str):
+    """``value``, else the default of field ``name`` of the dataclass ``config_cls``."""
+    if value is not None:
+        return value
+    (f,) = [f for f in dataclasses.fields(config_cls) if f.name == name]
+    return f.default
 
 
 def main(argv: list[str] | None = None) -> int:

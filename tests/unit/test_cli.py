@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig
@@ -51,3 +52,40 @@ def test_verify_detects_corruption(tmp_path, capsys):
     assert main(["verify", str(tmp_path), "--version", "3"]) == 2
     err = capsys.readouterr().err
     assert "ChecksumMismatchError" in err and key in err
+
+
+def test_the_cli_takes_its_defaults_from_the_config_dataclasses(monkeypatch, tmp_path):
+    """Review of format 1 (issue 28): the CLI restated 16 defaults and one had drifted
+    (--handoff-timeout 300 s against HandoffConfig's 120). Options not given are left to the configs."""
+    import dataclasses
+
+    from xcluster.cli import build_parser
+    from xcluster.follow import daemon as daemon_mod
+    from xcluster.follow.handoff import HandoffConfig
+
+    args = build_parser().parse_args(["subscribe", str(tmp_path), "--out", str(tmp_path / "o"), "--engine", "vllm",
+                                      "--engine-url", "http://127.0.0.1:9", "--once"])
+    cli_only = ("command", "url", "out", "engine", "engine_url", "once", "func", "trust", "metrics_addr",
+                "log_format", "log_level")  # what no config dataclass holds
+    defaults = {k: v for k, v in vars(args).items() if k not in cli_only}
+    assert all(v in (None, False) for v in defaults.values()), defaults
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_daemon(url, *, config, handoff, metrics):
+        seen.update(config=config, handoff=handoff)
+        raise Stop
+
+    monkeypatch.setattr(daemon_mod, "Daemon", fake_daemon)
+    with pytest.raises(Stop):
+        main(["subscribe", str(tmp_path), "--out", str(tmp_path / "o"), "--engine", "vllm",
+              "--engine-url", "http://127.0.0.1:9", "--once"])
+    config, handoff = seen["config"], seen["handoff"]
+    want = daemon_mod.DaemonConfig(out=config.out, node_id=config.node_id, once=True)
+    for f in ("poll_s", "backoff_max_s", "lease_every_s"):
+        assert getattr(config, f) == getattr(want, f)
+    assert config.model_dir == want.model_dir
+    assert dataclasses.asdict(handoff.config) == dataclasses.asdict(HandoffConfig())
+    assert handoff.pause_mode == "keep"  # make_handoff's own default
