@@ -2,6 +2,7 @@ import uuid
 
 import pytest
 
+from xcluster.errors import PreconditionFailedError
 from xcluster.store import LocalStore, open_store
 from xcluster.store.fsspec_store import FsspecStore
 from tests.store_conformance import StoreConformance
@@ -31,10 +32,10 @@ def test_local_store_leaves_no_temp_files(tmp_path):
     st = LocalStore(tmp_path)
     e = st.put("HEAD", b"1")
     st.put("HEAD", b"2", if_match=e)
-    with pytest.raises(Exception):
+    with pytest.raises(PreconditionFailedError):
         st.put("HEAD", b"3", if_match=e)
     st.put("m", b"x", if_none_match=True)
-    with pytest.raises(Exception):
+    with pytest.raises(PreconditionFailedError):
         st.put("m", b"y", if_none_match=True)
     leftovers = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".xc-tmp")]
     assert leftovers == []
