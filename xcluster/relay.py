@@ -35,9 +35,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .chain import Link, LinkedManifest, walk_back
-from .errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ObjectNotFoundError,
-                     PreconditionFailedError, RollbackError, StoreError, TruncatedObjectError, XclusterError)
+from .chain import Link, LinkedManifest, read_manifest, walk_links
+from .errors import (ChainBrokenError, ChecksumMismatchError, ConcurrentPublisherError, ConfigError,
+                     ObjectNotFoundError, PreconditionFailedError, RollbackError, StoreError, TruncatedObjectError,
+                     XclusterError)
 from .format import (HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, chunk_key, file_key,
                      lease_key, parse_head, xxh3_128)
 from .retention import RetentionConfig, gc
@@ -74,6 +75,10 @@ class RelayConfig:
     check again). Empty: ``$XCLUSTER_TRUSTED_KEYS`` when set, else signatures are copied unchecked."""
     gc: RetentionConfig | None = None
     """Run retention on DST (by the local subscribers' leases) after each copied keyframe."""
+    max_plan_bytes: int = 256 << 20
+    """Refuse (:class:`ResourceLimitError`, nothing copied) a cycle whose chain of manifests, from
+    SRC's HEAD back to what DST holds or to the keyframe, adds up to more than this many bytes.
+    The walk holds one parsed manifest at a time; each is read again, hash-checked, to copy it."""
 
     def __post_init__(self) -> None:
         if not self.poll_s > 0 or self.backoff_max_s < self.poll_s:
@@ -82,6 +87,8 @@ class RelayConfig:
             raise ConfigError("workers must be >= 1, integrity_retries and lease_every_s >= 0")
         if isinstance(self.trusted_keys, (str, bytes)):
             raise ConfigError("trusted_keys is a tuple of paths, not one string")
+        if self.max_plan_bytes < 1:
+            raise ConfigError("max_plan_bytes must be >= 1 byte")
         check_node_id(self.node_id)
 
 
@@ -123,6 +130,8 @@ class Relay:
         self._target: int | None = None
         self._lease_at = float("-inf")
         self._files_done: set[str] = set()
+        self._refused: dict[tuple[int, str], XclusterError] = {}
+        self._refused_for: tuple[int, str] | None = None
 
     @property
     def version(self) -> int | None:
@@ -187,20 +196,44 @@ class Relay:
         self._target = head.version
         self._write_lease(force=True)
         held = Link.of_head(have) if have is not None else None
-        plan = walk_back(self.src, Link.of_head(head), stop=lambda lm: lm.link == held, max_chain=MAX_CHAIN,
-                         retries=self.config.integrity_retries, on_retry=self._count_retry)
-        self._count(bytes_from_source=sum(len(lm.stored) for lm in plan))
-        if held is not None and plan[0].link == held:
-            plan = plan[1:]
+        held_key = None if have is None else (have.version, have.manifest_xxh3_128)
+        if self._refused_for != held_key or len(self._refused) > 1024:
+            self._refused.clear()
+            self._refused_for = held_key
+
+        def reaches_held(lm: LinkedManifest) -> bool:  # a delta on what DST holds: its base is not read
+            return held is not None and lm.manifest.kind != KEYFRAME and Link.base_of(lm.manifest) == held
+
+        def check(lm: LinkedManifest) -> None:  # every manifest of the plan, before anything is copied
+            self._count(bytes_from_source=len(lm.stored))
+            where = f"{self.src.url}/{lm.link.key}"
+            m = lm.manifest
+            if self.verifier is not None:
+                self.verifier.verify(m, where=where)
+            if reaches_held(lm) and m.keyframe_version != have.keyframe_version:
+                raise ChainBrokenError(f"{where}: keyframe_version {m.keyframe_version} differs from its base's "
+                                       f"(version {have.version}: {have.keyframe_version}): one of them lies")
+
+        plan = walk_links(self.src, Link.of_head(head), stop=reaches_held, check=check, max_chain=MAX_CHAIN,
+                          max_bytes=self.config.max_plan_bytes, refused=self._refused,
+                          retries=self.config.integrity_retries, on_retry=self._count_retry)
+        links, first = plan.links, plan.oldest
+        del plan
         keyframe = False
         self._files_done = set()
-        for lm in plan:
+        for link in links:  # one parsed manifest at a time: later ones read again, hash-checked
+            if first is not None:
+                lm, first = first, None
+            else:
+                lm = read_manifest(self.src, link, retries=self.config.integrity_retries, on_retry=self._count_retry)
+                self._count(bytes_from_source=len(lm.stored))
             self._copy_version(lm)
             keyframe |= lm.manifest.kind == KEYFRAME
+            del lm
         self._commit(head, head_bytes)
         self._target = None
         self._write_lease(force=True)
-        log.info("relayed up to version %d (%d version(s) copied)", head.version, len(plan))
+        log.info("relayed up to version %d (%d version(s) copied)", head.version, len(links))
         if keyframe and self.config.gc is not None:
             try:
                 report = gc(self.dst, config=self.config.gc, now=self._clock, apply=True)
