@@ -11,7 +11,7 @@ import torch
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
 from xcluster.cli import main
 from xcluster.errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ResourceLimitError,
-                             RollbackError, SignatureError)
+                             RollbackError, RunMismatchError, SignatureError)
 from xcluster.format import HEAD_KEY, lease_key, parse_head, parse_lease
 from xcluster.relay import Relay, RelayConfig
 from xcluster.signing import generate_keypair
@@ -194,6 +194,52 @@ def test_cli_relay_once_and_torch_free(tmp_path, capsys):
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "dst2")], check=True,
                    capture_output=True)
     assert LocalStore(tmp_path / "dst2").get(HEAD_KEY).data == src.get(HEAD_KEY).data
+
+
+def test_a_replayed_signed_version_of_another_run_is_refused_before_anything_is_copied(tmp_path):
+    src, dst, other = (LocalStore(tmp_path / n) for n in ("src", "dst", "other"))
+    priv, pub_key, _ = generate_keypair(tmp_path / "k")
+    trust = dict(trusted_keys=(str(pub_key),))
+    publish(src, range(2), signing_key=str(priv), run_id="runa")
+    relay(src, dst, **trust)
+    good_head = src.get(HEAD_KEY).data
+    # another run signed by the same key, replayed into SRC with higher version numbers
+    publish(other, range(6), signing_key=str(priv), run_id="runb")
+    replayed = [k for k in other.list("versions/") if not k.startswith(("versions/000000000001/",
+                                                                        "versions/000000000002/"))]
+    for k in replayed:
+        src.put(k, other.get(k).data)
+    src.put(HEAD_KEY, other.get(HEAD_KEY).data)
+    for cfg in (trust, {}):  # DST holds run "runa": that pins it, with signatures or without
+        r = Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE, **cfg))
+        with pytest.raises(RunMismatchError, match="runb"):
+            r.step()
+        assert dst.get(HEAD_KEY).data == good_head
+        assert all(not k.startswith(("versions/000000000004/", "versions/000000000005/", "versions/000000000006/"))
+                   for k in dst.list("versions/")), "nothing of the other run is copied"
+    # the relay is not frozen: once SRC names run "runa" again, it follows
+    src.put(HEAD_KEY, good_head)
+    assert r.step() == 2
+    # an explicit pin refuses even on an empty destination
+    pinned = Relay(src_store=src, dst_store=LocalStore(tmp_path / "dst2"), config=RelayConfig(**ONCE, run_id="runb"))
+    with pytest.raises(RunMismatchError, match="given run 'runb'"):
+        pinned.step()
+    assert LocalStore(tmp_path / "dst2").list() == []
+    with pytest.raises(ConfigError):
+        RelayConfig(run_id="Not A Run")
+
+
+def test_the_first_version_copied_pins_the_run(tmp_path):
+    src, dst, other = (LocalStore(tmp_path / n) for n in ("src", "dst", "other"))
+    publish(src, range(1), run_id="runa")
+    r = Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE))
+    assert r.step() == 1
+    publish(other, range(4), run_id="runb")  # keyframes 1 and 4
+    for k in other.list("versions/000000000004/") + [HEAD_KEY]:
+        src.put(k, other.get(k).data)
+    with pytest.raises(RunMismatchError, match="runb"):
+        r.step()
+    assert dst.list("versions/000000000004/") == [] and parse_head(dst.get(HEAD_KEY).data).version == 1
 
 
 def test_a_chain_over_the_byte_budget_is_refused_before_anything_is_copied(tmp_path):
