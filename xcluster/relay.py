@@ -35,11 +35,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .chain import Link, LinkedManifest, walk_back
-from .errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ObjectNotFoundError,
-                     PreconditionFailedError, RollbackError, StoreError, TruncatedObjectError, XclusterError)
-from .format import (HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, chunk_key, file_key,
-                     lease_key, parse_head, xxh3_128)
+from .chain import Link, LinkedManifest, read_manifest, walk_links
+from .errors import (ChainBrokenError, ChecksumMismatchError, ConcurrentPublisherError, ConfigError, FormatError,
+                     ObjectNotFoundError, PreconditionFailedError, RollbackError, RunMismatchError, StoreError,
+                     TruncatedObjectError, XclusterError)
+from .format import (HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, check_run_id, chunk_key,
+                     file_key, lease_key, parse_head, xxh3_128)
 from .retention import RetentionConfig, gc
 from .retry import Backoff
 from .signing import load_verifier
@@ -74,6 +75,14 @@ class RelayConfig:
     check again). Empty: ``$XCLUSTER_TRUSTED_KEYS`` when set, else signatures are copied unchecked."""
     gc: RetentionConfig | None = None
     """Run retention on DST (by the local subscribers' leases) after each copied keyframe."""
+    run_id: str | None = None
+    """Relay only this training run: a HEAD or manifest of another run raises
+    :class:`RunMismatchError` before anything is copied (DST keeps its version). None: the run of
+    the HEAD DST already holds, else of the first version this relay copies."""
+    max_plan_bytes: int = 256 << 20
+    """Refuse (:class:`ResourceLimitError`, nothing copied) a cycle whose chain of manifests, from
+    SRC's HEAD back to what DST holds or to the keyframe, adds up to more than this many bytes.
+    The walk holds one parsed manifest at a time; each is read again, hash-checked, to copy it."""
 
     def __post_init__(self) -> None:
         if not self.poll_s > 0 or self.backoff_max_s < self.poll_s:
@@ -82,6 +91,13 @@ class RelayConfig:
             raise ConfigError("workers must be >= 1, integrity_retries and lease_every_s >= 0")
         if isinstance(self.trusted_keys, (str, bytes)):
             raise ConfigError("trusted_keys is a tuple of paths, not one string")
+        if self.max_plan_bytes < 1:
+            raise ConfigError("max_plan_bytes must be >= 1 byte")
+        if self.run_id is not None:
+            try:
+                check_run_id(self.run_id)
+            except FormatError as exc:
+                raise ConfigError(str(exc)) from None
         check_node_id(self.node_id)
 
 
@@ -123,6 +139,10 @@ class Relay:
         self._target: int | None = None
         self._lease_at = float("-inf")
         self._files_done: set[str] = set()
+        self._run_id: str | None = self.config.run_id
+        """The run relayed: the pin, else DST's HEAD's run, else the first copied HEAD's."""
+        self._refused: dict[tuple[int, str], XclusterError] = {}
+        self._refused_for: tuple[int, str] | None = None
 
     @property
     def version(self) -> int | None:
@@ -166,6 +186,8 @@ class Relay:
         if not self._dst_read:
             self._dst_head, self._dst_etag = self._read_dst_head()
             self._dst_read = True
+            if self._run_id is None and self._dst_head is not None:
+                self._run_id = self._dst_head.run_id
         try:
             blob = self.src.get(HEAD_KEY, if_none_match=self._src_etag)
         except ObjectNotFoundError:
@@ -184,23 +206,53 @@ class Relay:
                                 f"{self.dst.url} holds: the source was rolled back; the relay does not propagate it")
         if self.verifier is not None:
             self.verifier.verify(head, where=f"{self.src.url}/{HEAD_KEY}")
+        self._check_run(head.run_id, where=f"{self.src.url}/{HEAD_KEY} (version {head.version})")
         self._target = head.version
         self._write_lease(force=True)
         held = Link.of_head(have) if have is not None else None
-        plan = walk_back(self.src, Link.of_head(head), stop=lambda lm: lm.link == held, max_chain=MAX_CHAIN,
-                         retries=self.config.integrity_retries, on_retry=self._count_retry)
-        self._count(bytes_from_source=sum(len(lm.stored) for lm in plan))
-        if held is not None and plan[0].link == held:
-            plan = plan[1:]
+        held_key = None if have is None else (have.version, have.manifest_xxh3_128)
+        if self._refused_for != held_key or len(self._refused) > 1024:
+            self._refused.clear()
+            self._refused_for = held_key
+
+        def reaches_held(lm: LinkedManifest) -> bool:  # a delta on what DST holds: its base is not read
+            return held is not None and lm.manifest.kind != KEYFRAME and Link.base_of(lm.manifest) == held
+
+        def check(lm: LinkedManifest) -> None:  # every manifest of the plan, before anything is copied
+            self._count(bytes_from_source=len(lm.stored))
+            where = f"{self.src.url}/{lm.link.key}"
+            m = lm.manifest
+            if self.verifier is not None:
+                self.verifier.verify(m, where=where)
+            self._check_run(m.run_id, where=where)
+            if m.run_id != head.run_id:
+                raise RunMismatchError(f"{where} belongs to run {m.run_id!r}, HEAD to run {head.run_id!r}")
+            if reaches_held(lm) and m.keyframe_version != have.keyframe_version:
+                raise ChainBrokenError(f"{where}: keyframe_version {m.keyframe_version} differs from its base's "
+                                       f"(version {have.version}: {have.keyframe_version}): one of them lies")
+
+        plan = walk_links(self.src, Link.of_head(head), stop=reaches_held, check=check, max_chain=MAX_CHAIN,
+                          max_bytes=self.config.max_plan_bytes, refused=self._refused,
+                          retries=self.config.integrity_retries, on_retry=self._count_retry)
+        links, first = plan.links, plan.oldest
+        del plan
         keyframe = False
         self._files_done = set()
-        for lm in plan:
+        for link in links:  # one parsed manifest at a time: later ones read again, hash-checked
+            if first is not None:
+                lm, first = first, None
+            else:
+                lm = read_manifest(self.src, link, retries=self.config.integrity_retries, on_retry=self._count_retry)
+                self._count(bytes_from_source=len(lm.stored))
             self._copy_version(lm)
             keyframe |= lm.manifest.kind == KEYFRAME
+            del lm
         self._commit(head, head_bytes)
+        if self._run_id is None:
+            self._run_id = head.run_id  # the first version copied pins the run
         self._target = None
         self._write_lease(force=True)
-        log.info("relayed up to version %d (%d version(s) copied)", head.version, len(plan))
+        log.info("relayed up to version %d (%d version(s) copied)", head.version, len(links))
         if keyframe and self.config.gc is not None:
             try:
                 report = gc(self.dst, config=self.config.gc, now=self._clock, apply=True)
@@ -276,6 +328,13 @@ class Relay:
         except ObjectNotFoundError:
             return None, None
         return parse_head(blob.data, where=f"{self.dst.url}/{HEAD_KEY}"), blob.etag
+
+    def _check_run(self, run_id: str | None, *, where: str) -> None:
+        want = self._run_id
+        if want is not None and run_id != want:
+            pinned = "this relay was given" if self.config.run_id is not None else f"{self.dst.url} holds"
+            raise RunMismatchError(f"{where} belongs to run {run_id!r}; {pinned} run {want!r}: another run's "
+                                   f"versions are under this prefix; nothing copied, DST keeps version {self.version}")
 
     def _count_retry(self, msg: str) -> None:
         log.warning("%s", msg)

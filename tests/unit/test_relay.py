@@ -10,7 +10,8 @@ import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
 from xcluster.cli import main
-from xcluster.errors import ChecksumMismatchError, ConcurrentPublisherError, RollbackError, SignatureError
+from xcluster.errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ResourceLimitError,
+                             RollbackError, RunMismatchError, SignatureError)
 from xcluster.format import HEAD_KEY, lease_key, parse_head, parse_lease
 from xcluster.relay import Relay, RelayConfig
 from xcluster.signing import generate_keypair
@@ -68,13 +69,14 @@ def test_only_what_is_new_crosses_the_wan(tmp_path):
     r = relay(src, dst)
     new = [k for k in src.list("versions/") if k.startswith(("versions/000000000004/", "versions/000000000005/"))]
     assert r.stats.versions_copied == 2
-    # chunks and manifests of 4 (a keyframe: the walk back stops there) and 5: nothing else
-    assert r.stats.bytes_from_source == sum(src.stat(k).size for k in new)
+    # chunks and manifests of 4 (a keyframe: the walk back stops there) and 5, whose manifest is read
+    # again to copy it (the walk holds one parsed manifest at a time): nothing else
+    (m5,) = [k for k in new if k.startswith("versions/000000000005/manifest")]
+    assert r.stats.bytes_from_source == sum(src.stat(k).size for k in new) + src.stat(m5).size
     assert r.stats.objects_present == 1  # config.json: unchanged since version 1
     pub.publish(weights(5), step=5)
-    r = relay(src, dst)  # a delta on what DST holds: its base manifest is read to find the link
-    new = src.list("versions/000000000006/") + [k for k in src.list("versions/000000000005/") if "manifest" in k]
-    assert r.stats.bytes_from_source == sum(src.stat(k).size for k in new)
+    r = relay(src, dst)  # a delta on what DST holds: its link to its base is DST's HEAD, nothing else is read
+    assert r.stats.bytes_from_source == sum(src.stat(k).size for k in src.list("versions/000000000006/"))
     assert Subscriber(store=dst).sync() == 6
 
 
@@ -192,3 +194,64 @@ def test_cli_relay_once_and_torch_free(tmp_path, capsys):
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "dst2")], check=True,
                    capture_output=True)
     assert LocalStore(tmp_path / "dst2").get(HEAD_KEY).data == src.get(HEAD_KEY).data
+
+
+def test_a_replayed_signed_version_of_another_run_is_refused_before_anything_is_copied(tmp_path):
+    src, dst, other = (LocalStore(tmp_path / n) for n in ("src", "dst", "other"))
+    priv, pub_key, _ = generate_keypair(tmp_path / "k")
+    trust = dict(trusted_keys=(str(pub_key),))
+    publish(src, range(2), signing_key=str(priv), run_id="runa")
+    relay(src, dst, **trust)
+    good_head = src.get(HEAD_KEY).data
+    # another run signed by the same key, replayed into SRC with higher version numbers
+    publish(other, range(6), signing_key=str(priv), run_id="runb")
+    replayed = [k for k in other.list("versions/") if not k.startswith(("versions/000000000001/",
+                                                                        "versions/000000000002/"))]
+    for k in replayed:
+        src.put(k, other.get(k).data)
+    src.put(HEAD_KEY, other.get(HEAD_KEY).data)
+    for cfg in (trust, {}):  # DST holds run "runa": that pins it, with signatures or without
+        r = Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE, **cfg))
+        with pytest.raises(RunMismatchError, match="runb"):
+            r.step()
+        assert dst.get(HEAD_KEY).data == good_head
+        assert all(not k.startswith(("versions/000000000004/", "versions/000000000005/", "versions/000000000006/"))
+                   for k in dst.list("versions/")), "nothing of the other run is copied"
+    # the relay is not frozen: once SRC names run "runa" again, it follows
+    src.put(HEAD_KEY, good_head)
+    assert r.step() == 2
+    # an explicit pin refuses even on an empty destination
+    pinned = Relay(src_store=src, dst_store=LocalStore(tmp_path / "dst2"), config=RelayConfig(**ONCE, run_id="runb"))
+    with pytest.raises(RunMismatchError, match="given run 'runb'"):
+        pinned.step()
+    assert LocalStore(tmp_path / "dst2").list() == []
+    with pytest.raises(ConfigError):
+        RelayConfig(run_id="Not A Run")
+
+
+def test_the_first_version_copied_pins_the_run(tmp_path):
+    src, dst, other = (LocalStore(tmp_path / n) for n in ("src", "dst", "other"))
+    publish(src, range(1), run_id="runa")
+    r = Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE))
+    assert r.step() == 1
+    publish(other, range(4), run_id="runb")  # keyframes 1 and 4
+    for k in other.list("versions/000000000004/") + [HEAD_KEY]:
+        src.put(k, other.get(k).data)
+    with pytest.raises(RunMismatchError, match="runb"):
+        r.step()
+    assert dst.list("versions/000000000004/") == [] and parse_head(dst.get(HEAD_KEY).data).version == 1
+
+
+def test_a_chain_over_the_byte_budget_is_refused_before_anything_is_copied(tmp_path):
+    src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    publish(src, range(3))  # keyframe 1, deltas 2 and 3: the walk reads 3 manifests
+    r = Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE, max_plan_bytes=1000))
+    with pytest.raises(ResourceLimitError, match="max_plan_bytes"):
+        r.step()
+    assert dst.list() == []
+    with pytest.raises(ResourceLimitError):  # remembered: refused again without reading the chain
+        r.step()
+    assert Relay(src_store=src, dst_store=dst, config=RelayConfig(**ONCE)).step() == 3
+    with pytest.raises(ConfigError):
+        RelayConfig(max_plan_bytes=0)
+
