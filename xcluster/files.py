@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import ConfigError, ObjectNotFoundError
-from .format import MAX_FILE_BYTES, MAX_FILES, FileEntry, check_file_name, file_key, xxh3_128
+from .format import MAX_FILE_BYTES, MAX_FILES, MAX_FILES_TOTAL_BYTES, FileEntry, check_file_name, file_key, xxh3_128
 from .store import Store
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
@@ -43,6 +43,10 @@ def collect_files(files: str | os.PathLike | Mapping[str, bytes]) -> dict[str, b
         check_file_name(name)
         if len(data) > MAX_FILE_BYTES:
             raise ConfigError(f"file {name!r}: {len(data)} bytes is over the {MAX_FILE_BYTES}-byte limit per file")
+    total = sum(len(d) for d in out.values())
+    if total > MAX_FILES_TOTAL_BYTES:
+        raise ConfigError(f"the files add up to {total} bytes, over the {MAX_FILES_TOTAL_BYTES}-byte limit "
+                          "per version")
     return out
 
 

@@ -76,6 +76,9 @@ MAX_CHAIN = 4096
 writers keep ``version - keyframe_version < MAX_CHAIN``, readers may refuse longer chains."""
 MAX_FILE_BYTES = 256 << 20
 MAX_FILES = 1024
+MAX_FILES_TOTAL_BYTES = 1 << 30
+"""The non-weight files of one manifest add up to at most this many bytes (the sum of ``size``
+over every listed name: an object listed under two names is written twice)."""
 MAX_LEASE_BYTES = 64 << 10
 KIND_TAG = "xcluster-kind"
 """Object tag on every chunk and manifest: ``keyframe`` or ``delta`` (bucket lifecycle rules match it)."""
@@ -89,7 +92,9 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _RUN_ID = re.compile(r"[a-z0-9]{1,32}")
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
-WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
+"""A non-weight file's name never ends so: model directories hold weights (``*.safetensors``) and
+their index (``model.safetensors.index.json``) written from the tensors, never from ``files``."""
 
 
 def check_tensor_name(name: Any) -> str:
@@ -119,11 +124,15 @@ def is_manifest_name(name: str) -> bool:
 
 def check_file_name(name: Any) -> str:
     """Names of non-weight files (config.json, tokenizer.json, …): plain file names, never paths,
-    never one of the weight files a model directory writer produces."""
-    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name or WEIGHT_FILE.fullmatch(name):
+    never a weight file's (``*.safetensors``, ``*.safetensors.index.json``). The one rule: the
+    publisher checks it before uploading, manifests are parsed with it, the model directory writer
+    applies it."""
+    if (not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name
+            or name.endswith(WEIGHT_FILE_SUFFIXES)):
         raise UnsafeNameError(
             f"file name {name!r} is not allowed: 1-128 characters of [A-Za-z0-9_.-], not starting with '.' "
-            "or '-', no '..', and not a weight file name (model*.safetensors, model.safetensors.index.json)")
+            "or '-', no '..', and not a weight file name (*.safetensors, *.safetensors.index.json: the "
+            "weights travel as tensors)")
     return name
 
 
@@ -553,6 +562,9 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         fnames.add(fname)
         files.append(FileEntry(fname, _int(f, "size", fw, hi=MAX_FILE_BYTES),
                                _str(f, "xxh3_128", fw, pattern=_HEX128)))
+    if sum(f.size for f in files) > MAX_FILES_TOTAL_BYTES:
+        raise FormatError(f"{where}: its files add up to {sum(f.size for f in files)} bytes, over the limit of "
+                          f"{MAX_FILES_TOTAL_BYTES} per manifest (each listed name counts)")
 
     tensors: list[TensorEntry] = []
     seen: set[str] = set()

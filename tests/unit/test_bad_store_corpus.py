@@ -413,6 +413,16 @@ CASES = [
     C("file_name_is_a_weight_file", edit(3, set_at(("files",), [{"name": "model.safetensors", "size": 1,
                                                                    "xxh3_128": "0" * 32}])),
       UnsafeNameError, "weight file"),
+    # issue 31 item 4: a name the model directory writer refuses is refused at parse (one rule)
+    C("file_name_is_an_adapter_weight_file", edit(3, set_at(("files",), [
+        {"name": "adapter_model.safetensors", "size": 1, "xxh3_128": "0" * 32}])), UnsafeNameError, "weight file"),
+    C("file_name_is_a_weight_index", edit(3, set_at(("files",), [
+        {"name": "adapter_model.safetensors.index.json", "size": 1, "xxh3_128": "0" * 32}])),
+      UnsafeNameError, "weight file"),
+    # issue 31 item 3: one 256 MiB object listed under 5 names is 1.25 GiB to write: refused before any fetch
+    C("files_total_over_limit", edit(3, set_at(("files",), [
+        {"name": f"f{i}.json", "size": 256 << 20, "xxh3_128": "0" * 32} for i in range(5)])),
+      FormatError, "files add up to 1342177280 bytes, over the limit"),
     # shapes whose product overflows (or that are not shapes)
     C("shape_product_2_64", edit(3, set_at(("tensors", 1, "shape"), [1 << 32, 1 << 32])), FormatError,
       "is over the limit"),

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from ..fsutil import fsync_path, write_synced
-from ..errors import ConfigError, ModelDirError
+from ..errors import ConfigError, ModelDirError, UnsafeNameError
+from ..format import check_file_name
 
 log = logging.getLogger(__name__)
 
@@ -416,9 +417,11 @@ def _checked_files(files: Mapping[str, bytes]) -> dict[str, bytes]:
         if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
                 or "\x00" in name or ".." in name or name.startswith(TMP_PREFIX)):
             raise ModelDirError(f"extra file name {name!r} is not a plain file name (no '/', no '..')")
-        if name == INDEX_NAME or name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        try:  # the one rule for non-weight file names, which the publisher applies before uploading
+            check_file_name(name)
+        except UnsafeNameError as exc:
             raise ModelDirError(f"extra file name {name!r} would collide with the weights this directory "
-                                "writes; the weights come from the state, not from files")
+                                f"writes, or is not a plain file name ({exc})") from None
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ModelDirError(f"extra file {name!r} must be bytes, got {type(data).__name__}")
         out[name] = bytes(data)
