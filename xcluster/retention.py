@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from .chain import Link, read_head, read_manifest
 from .errors import ConfigError, ObjectNotFoundError, XclusterError
-from .format import (KEYFRAME, MAX_MANIFEST_BYTES, Manifest, chunk_key, file_key, is_manifest_name, parse_lease,
-                     parse_manifest, version_dir)
+from .format import (KEYFRAME, MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, chunk_key, file_key,
+                     is_manifest_name, parse_lease, parse_manifest, version_dir)
 from .manifest_object import unpack
 from .store import Store
 
@@ -44,10 +44,16 @@ class RetentionConfig:
     a fetch in flight or a HEAD write that is still travelling never loses what it needs."""
     lease_expiry_factor: float = 30.0
     """Leases older than this many TTLs are deleted (their subscriber is long gone)."""
+    max_clock_skew_s: float = 300.0
+    """A lease dated more than this many seconds ahead of gc's clock protects nothing (it is
+    reported in ``GcReport.future_leases``): a node's clock that far off, or a forged lease, would
+    otherwise pin its versions forever."""
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0 or self.grace_s < 0 or not self.lease_expiry_factor >= 1:
             raise ConfigError("lease_ttl_s must be > 0, grace_s >= 0 and lease_expiry_factor >= 1")
+        if not self.max_clock_skew_s >= 0:
+            raise ConfigError("max_clock_skew_s must be >= 0")
 
 
 @dataclass
@@ -59,11 +65,19 @@ class GcReport:
     """(key, bytes, why) of what goes (or went, with ``apply``)."""
     protected_by_leases: dict[str, tuple[int, int]] = field(default_factory=dict)
     """node → (first, last) version range kept for it beyond HEAD's chain."""
+    future_leases: list[str] = field(default_factory=list)
+    """Nodes whose lease is dated beyond ``max_clock_skew_s`` ahead of gc's clock (ignored)."""
     applied: bool = False
 
     @property
     def bytes(self) -> int:
         return sum(b for _, b, _ in self.deleted)
+
+
+def read_lease(store: Store, key: str) -> Lease:
+    """The lease at ``key``, read in at most ``MAX_LEASE_BYTES + 1`` bytes (a larger object is
+    refused by the parser without being read whole)."""
+    return parse_lease(store.get_range(key, 0, MAX_LEASE_BYTES + 1), where=f"{store.url}/{key}")
 
 
 def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> tuple[int, Link | None]:
@@ -108,11 +122,16 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
     stale_leases: list[str] = []
     for key in lease_keys:
         try:
-            lease = parse_lease(store.get(key).data, where=f"{store.url}/{key}")
+            lease = read_lease(store, key)
         except (XclusterError, ObjectNotFoundError) as exc:
             log.warning("ignoring unreadable lease %s: %s", key, exc)
             continue
         age = t - lease.updated_unix_ms / 1000
+        if age < -config.max_clock_skew_s:
+            log.warning("ignoring lease %s: dated %.0f s ahead of this clock (more than max_clock_skew_s)",
+                        key, -age)
+            report.future_leases.append(lease.node_id)
+            continue
         if age > config.lease_ttl_s:
             if age > config.lease_expiry_factor * config.lease_ttl_s:
                 stale_leases.append(key)

@@ -174,3 +174,53 @@ def test_the_publisher_runs_retention_after_each_keyframe(tmp_path):
         pub.publish(weights(s))
     assert sorted({k.split("/")[1] for k in store.list("versions/")}) == ["000000000007"]
     assert Subscriber(store=store).sync() == 7
+
+
+def test_a_lease_dated_in_the_future_protects_nothing(tmp_path):
+    """Review 2, item 5: a lease dated far ahead of gc's clock (a skewed node, or a forged lease)
+    pinned its versions forever. Beyond RetentionConfig.max_clock_skew_s it protects nothing."""
+    store = LocalStore(tmp_path)
+    pub, _ = publish(store, 5)
+    for s in range(5, 8):
+        pub.publish(weights(s))  # HEAD 8, keyframe 7
+    lease(store, "skewed", version=2, target=3, age_s=-120)  # 2 minutes ahead: a skew, still honoured
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=False)
+    assert report.protected_by_leases == {"skewed": (3, 3)}
+    lease(store, "forged", version=2, target=3, age_s=-10 * 365 * 86400)  # ten years ahead
+    lease(store, "skewed", version=2, target=3, age_s=10_000)  # and the honest one expired
+    report = gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert report.protected_by_leases == {}
+    assert report.future_leases == ["forged"]
+    assert store.list("versions/000000000003/") == []
+    assert Subscriber(store=store).sync() == 8
+
+
+def test_leases_are_read_in_bounded_bytes(tmp_path):
+    """Review 2, item 8: gc and status read a lease whole before its 64 KiB check (256 MiB lease,
+    256 MiB read). Now at most MAX_LEASE_BYTES + 1 bytes of it are read."""
+    from xcluster.format import MAX_LEASE_BYTES
+
+    read: dict[str, int] = {}
+
+    class Counting(LocalStore):
+        def get(self, key, **kw):
+            blob = super().get(key, **kw)
+            if key.startswith("leases/") and blob is not None:
+                read[key] = read.get(key, 0) + len(blob.data)
+            return blob
+
+        def get_range(self, key, start, length):
+            data = super().get_range(key, start, length)
+            if key.startswith("leases/"):
+                read[key] = read.get(key, 0) + len(data)
+            return data
+
+    store = Counting(tmp_path)
+    publish(store, 2)
+    store.put(lease_key("huge"), b"{" + b" " * (4 << 20) + b"}")
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR)
+    assert 0 < read["leases/huge.json"] <= MAX_LEASE_BYTES + 1
+    read.clear()
+    fs = fleet_status(store, now=lambda: FAR)
+    assert fs.unreadable == ["leases/huge.json"]
+    assert 0 < read["leases/huge.json"] <= MAX_LEASE_BYTES + 1
