@@ -57,7 +57,7 @@ class FileSet:
         self.store = store
         self._data: dict[str, bytes] = {}
         self.entries: tuple[FileEntry, ...] = ()
-        self._present: set[str] = set()  # hashes known to be in the store
+        self._named: set[str] = set()  # hashes the last upload's entries named (so its version, once committed)
 
     def set(self, files: Mapping[str, bytes]) -> None:
         self._data = {h: d for h, d in ((xxh3_128(d), d) for d in files.values())}
@@ -65,18 +65,26 @@ class FileSet:
                                     key=lambda e: e.name))
 
     def upload(self) -> int:
-        """Put every file the store does not have yet; returns the bytes written."""
+        """Make every file of the next version present in the store; returns the bytes written.
+
+        Every file is checked (``stat``) each version and put when missing: nothing is assumed to
+        be there because this publisher put it once (retention deletes what no kept manifest
+        names). A file that comes back after this publisher's previous version dropped it is put
+        afresh even when an object of that hash exists: retention may be deleting it right now,
+        and a fresh write gives it a new age, which retention's grace period protects until this
+        version commits and names it. (A new publisher trusts what it finds: its files are
+        normally those HEAD already names.)"""
         written = 0
         for e in self.entries:
-            if e.xxh3_128 in self._present:
-                continue
             key = file_key(e.xxh3_128)
-            try:
-                present = self.store.stat(key).size == e.size
-            except ObjectNotFoundError:
-                present = False
+            present = False
+            if not self._named or e.xxh3_128 in self._named:
+                try:
+                    present = self.store.stat(key).size == e.size
+                except ObjectNotFoundError:
+                    present = False
             if not present:
                 self.store.put(key, self._data[e.xxh3_128])
                 written += e.size
-            self._present.add(e.xxh3_128)
+        self._named = {e.xxh3_128 for e in self.entries}
         return written

@@ -224,3 +224,26 @@ def test_leases_are_read_in_bounded_bytes(tmp_path):
     fs = fleet_status(store, now=lambda: FAR)
     assert fs.unreadable == ["leases/huge.json"]
     assert 0 < read["leases/huge.json"] <= MAX_LEASE_BYTES + 1
+
+
+def test_a_file_gc_removed_is_uploaded_again_when_a_later_version_names_it(tmp_path):
+    """Review 2, item 6: the publisher remembered which files/ objects it had uploaded and never
+    looked again, so files A -> B -> A after gc had removed A committed a version naming a missing
+    object. A file the previous version did not name is uploaded afresh (a new age for the grace)."""
+    from xcluster.format import xxh3_128
+
+    store = LocalStore(tmp_path)
+    a, b = {"config.json": b'{"a": 1}'}, {"config.json": b'{"b": 2}'}
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100), files=a)
+    pub.publish(weights(0))
+    pub.publish(weights(1), files=b, keyframe=True)  # version 1, the last to name A, falls behind the keyframe
+    gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
+    assert store.list("files/") == [file_key(xxh3_128(b["config.json"]))]  # A is no longer named: gone
+    pub.publish(weights(2), files=a)
+    assert store.get(file_key(xxh3_128(a["config.json"]))).data == a["config.json"]
+    from xcluster.follow.daemon import Daemon, DaemonConfig
+    from xcluster.follow.modeldir import ModelDir
+
+    d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", once=True, lease_every_s=0))
+    assert d.run() == 0
+    assert ModelDir(tmp_path / "out").load(3)[1] == a
