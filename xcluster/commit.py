@@ -21,13 +21,14 @@ second publisher started by an operator):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .chain import read_head
-from .errors import ConcurrentPublisherError, PreconditionFailedError, XclusterError
-from .format import HEAD_KEY, Head, Manifest, manifest_key, parse_manifest, xxh3_128
+from .errors import ChunksMissingError, ConcurrentPublisherError, PreconditionFailedError, XclusterError
+from .format import HEAD_KEY, Head, Manifest, inflight_key, manifest_key, parse_manifest, version_dir, xxh3_128
 from .manifest_object import pack
 from .store import Store
 
@@ -56,6 +57,41 @@ def seal(manifest: Manifest, manifest_name: str, *, committed_unix_ms: int, run_
                 manifest_xxh3_128=xxh3_128(data), committed_unix_ms=committed_unix_ms, manifest=manifest_name,
                 run_id=run_id)
     return data, head if signer is None else signer.sign(head)
+
+
+class InFlight:
+    """``inflight/<attempt>`` while a publisher uploads an attempt's objects: written on entry,
+    written again every ``refresh_s`` seconds (its age is the store's LastModified, which
+    retention compares with its grace period), deleted on exit. Retention keeps the objects of an
+    attempt whose marker is young, however long ago they were uploaded (docs/RETENTION.md)."""
+
+    def __init__(self, store: Store, attempt: str, version: int, *, refresh_s: float) -> None:
+        self.store, self.key, self.refresh_s = store, inflight_key(attempt), refresh_s
+        self.body = f'{{"attempt":"{attempt}","version":{version}}}'.encode()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> InFlight:
+        self.store.put(self.key, self.body)
+        self._thread = threading.Thread(target=self._refresh, name="xc-inflight", daemon=True)
+        self._thread.start()
+        return self
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.store.put(self.key, self.body)
+            except Exception:  # the next refresh tries again; the upload goes on
+                log.warning("could not refresh %s", self.key, exc_info=True)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.store.delete(self.key)
+        except Exception:  # retention removes a stale marker after its grace
+            log.warning("could not delete %s", self.key, exc_info=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +140,20 @@ class Committer:
                 self.store.delete(key)
             except Exception:  # retention removes what is left
                 log.warning("could not delete %s after a failed publish", key, exc_info=True)
+
+    def check_chunks(self, version: int, keys: Iterable[str]) -> None:
+        """Before the manifest is written: every chunk ``keys`` names is still in the store (one
+        listing of the version's directory). Raises :class:`ChunksMissingError` otherwise, so that
+        a version whose chunks retention removed is never committed."""
+        want = set(keys)
+        if not want:
+            return
+        missing = sorted(want - set(self.store.list(version_dir(version) + "/")))
+        if missing:
+            raise ChunksMissingError(
+                f"{self.store.url}: {len(missing)} of the {len(want)} chunks of version {version} uploaded by this "
+                f"attempt are gone ({missing[0]}, …): retention removed them (an upload that outlived its grace "
+                "period, or skewed clocks); nothing was committed, publish again")
 
     def commit(self, head: Head, manifest_data: bytes, *, tags: Mapping[str, str] | None = None,
                clock: Callable[[], float] | None = None) -> CommitOutcome:

@@ -129,6 +129,11 @@ class ConcurrentPublisherError(XclusterError):
     """Another publisher committed to this prefix; this one refuses to overwrite it."""
 
 
+class ChunksMissingError(XclusterError):
+    """Chunks this attempt uploaded are gone before its commit (retention removed them: an upload
+    that outlived the grace period, or skewed clocks). Nothing is committed; publish again."""
+
+
 # --- daemon ----------------------------------------------------------------------------------
 class StateFileError(XclusterError):
     """The daemon's state record under --out is unreadable or inconsistent (it restarts from a keyframe)."""

@@ -166,6 +166,17 @@ def file_key(xxh3: str) -> str:
     return f"files/{xxh3}"
 
 
+INFLIGHT_PREFIX = "inflight/"
+
+
+def inflight_key(attempt: str) -> str:
+    """``inflight/<attempt>``: written by a publisher while it uploads a version's objects, kept
+    fresh while it does, removed once done; retention keeps the attempt's objects while it is young."""
+    if not isinstance(attempt, str) or not _RUN_ID.fullmatch(attempt):
+        raise UnsafeNameError(f"attempt id {attempt!r} must be 1-32 of [a-z0-9]")
+    return f"{INFLIGHT_PREFIX}{attempt}"
+
+
 def lease_key(node_id: str) -> str:
     return f"leases/{check_node_id(node_id)}.json"
 

@@ -25,7 +25,7 @@ import torch
 from . import heap
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
 from .codec.encode import CodecConfig, EncodedVersion, encode_version
-from .commit import Committer, LateCommitError, seal
+from .commit import Committer, InFlight, LateCommitError, seal
 from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
@@ -60,6 +60,10 @@ class PublisherConfig:
     """Also write a keyframe once the deltas since the last keyframe add up to more than this
     fraction of that keyframe's bytes, so a subscriber joining late downloads at most about
     ``1 + fraction`` keyframes' worth (plus one delta). None: by ``keyframe_every`` alone."""
+    inflight_refresh_s: float = 60.0
+    """While a version's objects are uploaded, ``inflight/<attempt>`` is written again every this
+    many seconds: retention keeps an attempt's objects while its marker is younger than its grace
+    period (an hour by default), however long the upload takes. Must be well below that grace."""
     gc_after_keyframe: RetentionConfig | None = None
     """Run retention (``xcluster gc --apply`` with these settings) after each committed keyframe:
     what HEAD and live subscribers need stays, the rest goes once past its grace. None: never
@@ -90,6 +94,8 @@ class PublisherConfig:
     different id than HEAD's is refused: one run per prefix."""
 
     def __post_init__(self) -> None:
+        if not self.inflight_refresh_s > 0:
+            raise ConfigError(f"inflight_refresh_s must be > 0, got {self.inflight_refresh_s}")
         if not 1 <= self.keyframe_every <= MAX_CHAIN:
             raise ConfigError(
                 f"keyframe_every must be in [1, {MAX_CHAIN}], got {self.keyframe_every}: a subscriber that joins "
@@ -322,21 +328,23 @@ class Publisher:
             for dev in {t.device for t in new.values() if t.is_cuda}:
                 torch.cuda.current_stream(dev).synchronize()
         try:
-            file_bytes = self._files.upload()
-            encoded, uploaded = self._encode_and_upload(version, source, digests, against, chunks, tags, attempt)
-            mdigest = model_digest_from((e.name, e.dtype, e.shape, e.digest) for e in encoded.tensors)
-            manifest = Manifest(
-                **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
-                               base_link=self._base_link, keyframe_version=self._keyframe_version),
-                step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
-                tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
-                changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
-            committed = self._clock()
-            mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
-                                signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
-            mhash = head.manifest_xxh3_128
-            manifest_attempted = True
-            outcome = c.commit(head, mbytes, tags=tags)
+            with InFlight(self.store, attempt, version, refresh_s=cfg.inflight_refresh_s):
+                file_bytes = self._files.upload()
+                encoded, uploaded = self._encode_and_upload(version, source, digests, against, chunks, tags, attempt)
+                mdigest = model_digest_from((e.name, e.dtype, e.shape, e.digest) for e in encoded.tensors)
+                manifest = Manifest(
+                    **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
+                                   base_link=self._base_link, keyframe_version=self._keyframe_version),
+                    step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
+                    tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
+                    changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
+                committed = self._clock()
+                mbytes, head = seal(manifest, mname, committed_unix_ms=int(committed * 1000), run_id=self.run_id,
+                                    signer=self._signer, where=f"{self.store.url}/{manifest_key(version, mname)}")
+                mhash = head.manifest_xxh3_128
+                c.check_chunks(version, chunks)  # none removed by retention while they were uploaded
+                manifest_attempted = True
+                outcome = c.commit(head, mbytes, tags=tags)
         except BaseException:
             # Before the manifest write nothing can name these chunks; after it, HEAD might come
             # to name the manifest (a write that timed out can still land): keep everything.

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 from .chain import Link, read_head, read_manifest
 from .errors import ConfigError, ObjectNotFoundError, XclusterError
-from .format import (KEYFRAME, MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, chunk_key, file_key,
-                     is_manifest_name, parse_lease, parse_manifest, version_dir)
+from .format import (INFLIGHT_PREFIX, KEYFRAME, MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, chunk_key,
+                     file_key, is_manifest_name, parse_lease, parse_manifest, version_dir)
 from .manifest_object import unpack
 from .store import Store
 
 log = logging.getLogger(__name__)
 _VERSION_KEY = re.compile(r"versions/(\d{12})/(.+)")
+_ATTEMPT_OBJECT = re.compile(r"c([a-z0-9]{1,32})-\d+\.xc|manifest-([a-z0-9]{1,32})\.json\.zst")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,31 @@ class GcReport:
     @property
     def bytes(self) -> int:
         return sum(b for _, b, _ in self.deleted)
+
+
+def _attempt_of(name: str) -> str | None:
+    """The commit attempt an object under ``versions/<V>/`` belongs to (``c<attempt>-NNNNNN.xc``,
+    ``manifest-<attempt>.json.zst``), or None."""
+    m = _ATTEMPT_OBJECT.fullmatch(name)
+    return None if m is None else (m.group(1) or m.group(2))
+
+
+def _live_attempts(store: Store, t: float, config: RetentionConfig, report: GcReport) -> set[str]:
+    """Attempts whose ``inflight/<attempt>`` marker is younger than the grace period by its
+    LastModified (a publisher rewrites it while it uploads): their objects are kept whatever their
+    own age. An older marker is stale (its publisher is gone) and goes like other garbage."""
+    live: set[str] = set()
+    for key in store.list(INFLIGHT_PREFIX):
+        try:
+            st = store.stat(key)
+        except ObjectNotFoundError:
+            continue
+        if st.modified_unix is None or t - st.modified_unix < config.grace_s:
+            live.add(key[len(INFLIGHT_PREFIX):])
+            report.kept += 1
+        else:
+            report.deleted.append((key, st.size, "a stale in-flight marker (its publisher stopped)"))
+    return live
 
 
 def read_lease(store: Store, key: str) -> Lease:
@@ -148,9 +174,10 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         _links_down_to(store, before_keyframe, min(keep_dirs), keep)
     for v in sorted(keep_dirs):
         files.update(_files_named_in(store, v))
+    in_flight = _live_attempts(store, t, config, report)
     for key in store.list("versions/"):
         m = _VERSION_KEY.fullmatch(key)
-        if key in keep or (m and int(m.group(1)) in keep_dirs):
+        if key in keep or (m and int(m.group(1)) in keep_dirs) or (m and _attempt_of(m.group(2)) in in_flight):
             report.kept += 1
             continue
         if m and int(m.group(1)) > head.version:

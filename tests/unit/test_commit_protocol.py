@@ -99,8 +99,10 @@ def test_a_restarted_publisher_is_not_refused_by_its_predecessors_leftovers(tmp_
 
 
 def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path):
-    """No listing, no sweep: a publish touches only its own version's objects and HEAD."""
+    """No sweep: a publish touches only its own version's objects (it lists only its own
+    directory, to check its chunks are all there before committing), its in-flight marker and HEAD."""
     calls: list[str] = []
+    listed: list[str] = []
 
     class Counting:
         def __init__(self, inner):
@@ -111,6 +113,8 @@ def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path)
 
             def wrapped(*a, **kw):
                 calls.append(name)
+                if name == "list":
+                    listed.append(a[0])
                 return fn(*a, **kw)
             return wrapped
 
@@ -120,9 +124,10 @@ def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path)
     per_publish = []
     for s in range(1, 40):
         calls.clear()
-        pub.publish(weights(s))
+        listed.clear()
+        res = pub.publish(weights(s))
         per_publish.append(sorted(calls))
-    assert "list" not in {c for cs in per_publish for c in cs}
+        assert listed == [f"versions/{res.version:012d}/"]
     assert all(cs == per_publish[0] for cs in per_publish)  # constant, not growing with history
 
 

@@ -10,11 +10,12 @@ import time
 import pytest
 import torch
 
-from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
+from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.format import Lease, file_key, lease_key
 from xcluster.retention import RetentionConfig, gc
 from xcluster.status import fleet_status
 from xcluster.store import LocalStore
+from tests.unit.helpers import assert_state_equal
 from tests.unit.test_commit_protocol import weights
 
 FAR = 4e9  # "now" far in the future (2096): every object is past its grace
@@ -102,6 +103,7 @@ def test_apply_deletes_manifests_before_their_chunks(tmp_path):
 
     store = Recording(tmp_path)
     publish(store, 8)
+    deleted.clear()  # the publisher's own (its in-flight markers)
     gc(store, config=RetentionConfig(grace_s=0), now=lambda: FAR, apply=True)
     kinds = ["manifest" in k.rsplit("/", 1)[-1] for k in deleted]
     assert True in kinds and False in kinds
@@ -247,3 +249,62 @@ def test_a_file_gc_removed_is_uploaded_again_when_a_later_version_names_it(tmp_p
     d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", once=True, lease_every_s=0))
     assert d.run() == 0
     assert ModelDir(tmp_path / "out").load(3)[1] == a
+
+
+def _bigger(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(64, generator=g)}  # several 64 KiB chunks
+
+
+def test_gc_keeps_an_upload_that_outlives_the_grace_period(tmp_path):
+    """Review 2, item 7: a version whose upload takes longer than gc's grace period (a multi-TiB
+    keyframe) lost its first chunks to a gc running meanwhile, and the publisher then committed a
+    version nobody can apply. The in-flight marker, rewritten while the upload goes on, keeps the
+    attempt's objects, however old each one is."""
+    import os
+    import time as _time
+
+    class SlowUpload(LocalStore):
+        """Each chunk lands "two hours ago" (as in a long upload), and gc runs after each one."""
+
+        def put(self, key, data, **kw):
+            etag = super().put(key, data, **kw)
+            if key.endswith(".xc"):
+                old = _time.time() - 7200
+                os.utime(self._path(key), (old, old))
+                gc(self, config=RetentionConfig(grace_s=3600), apply=True)
+            return etag
+
+    cfg = PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=64 << 10, chunk_bytes=64 << 10))
+    Publisher(store=LocalStore(tmp_path), config=cfg).publish(_bigger(0))  # HEAD exists: gc has work
+    store = SlowUpload(tmp_path)
+    res = Publisher(store=store, config=cfg).publish(_bigger(1))  # a new publisher: a keyframe, 4+ chunks
+    assert len([k for k in store.list(f"versions/{res.version:012d}/") if k.endswith(".xc")]) >= 3
+    sub = Subscriber(store=store)
+    assert sub.sync() == res.version == 2
+    assert_state_equal(sub.state_dict(), _bigger(1))
+    assert store.list("inflight/") == []  # removed once committed
+
+
+def test_chunks_gone_before_the_commit_are_refused_not_committed(tmp_path):
+    """Review 2, item 7: chunks removed while the version was uploaded (retention with a skewed
+    clock, an operator) make the publish fail with ChunksMissingError; HEAD does not move."""
+    from xcluster.errors import ChunksMissingError
+
+    store = LocalStore(tmp_path)
+    cfg = PublisherConfig(keyframe_every=100, codec=CodecConfig(block_bytes=64 << 10, chunk_bytes=64 << 10))
+    pub = Publisher(store=store, config=cfg)
+    pub.publish(_bigger(0))
+
+    class Vanishing(LocalStore):
+        def put(self, key, data, **kw):
+            etag = super().put(key, data, **kw)
+            if key.endswith("-000000.xc"):
+                super().delete(key)  # the first chunk of the attempt disappears at once
+            return etag
+
+    with pytest.raises(ChunksMissingError, match="are gone"):
+        Publisher(store=Vanishing(tmp_path), config=cfg).publish(_bigger(1))
+    sub = Subscriber(store=store)
+    assert sub.sync() == 1
+    assert_state_equal(sub.state_dict(), _bigger(0))
