@@ -9,8 +9,8 @@ local copy and verifies it exactly as it would the original. Per cycle:
 2. Walk SRC's chain back from HEAD (chain.py: each manifest checked against its link) to the
    version DST's HEAD names, or to the keyframe when DST's HEAD is not on the chain.
 3. Oldest first, copy each version's chunks and files — each fetched once, its size and XXH3-128
-   checked against the manifest before it is written, skipped when DST already holds it — then
-   its manifest (same name, same bytes).
+   checked against the manifest before it is written, skipped when DST already holds a copy of
+   that size and XXH3-128 (a corrupt copy is copied again) — then its manifest (same name, same bytes).
 4. Compare-and-swap DST's HEAD to SRC's HEAD bytes. Local subscribers see only complete versions,
    in commit order.
 
@@ -281,12 +281,17 @@ class Relay:
         self._count(bytes_to_destination=len(lm.stored), versions_copied=1)
 
     def _copy_object(self, key: str, size: int, digest: str, tags: dict[str, str] | None) -> None:
-        try:
-            if self.dst.stat(key).size == size:
-                self._count(objects_present=1)
-                return  # puts are atomic: an object of the right size is a complete copy
+        try:  # bounded, like the source read; a copy of the right size can still be corrupt: hash it
+            held = self.dst.get_range(key, 0, size + 1)
         except ObjectNotFoundError:
             pass
+        else:
+            ok = len(held) == size and xxh3_128(held) == digest
+            del held
+            if ok:
+                self._count(objects_present=1)
+                return
+            log.warning("%s/%s does not match its manifest (size or XXH3-128): copying it again", self.dst.url, key)
         where = f"{self.src.url}/{key}"
         data, got = b"", ""
         for attempt in range(self.config.integrity_retries + 1):

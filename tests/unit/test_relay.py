@@ -255,3 +255,22 @@ def test_a_chain_over_the_byte_budget_is_refused_before_anything_is_copied(tmp_p
     with pytest.raises(ConfigError):
         RelayConfig(max_plan_bytes=0)
 
+
+def test_a_corrupt_copy_of_the_right_size_in_the_destination_is_copied_again(tmp_path):
+    src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    pub = publish(src, range(2))
+    relay(src, dst)
+    # a relay killed before HEAD left version 3's chunk behind; it and files/config.json rot in DST
+    pub.publish(weights(2), step=2)
+    (chunk,) = [k for k in src.list("versions/000000000003/") if k.endswith(".xc")]
+    (cfg,) = [k for k in src.list("files/")]
+    for k in (chunk, cfg):
+        data = bytearray(src.get(k).data)
+        data[len(data) // 2] ^= 0x01
+        dst.put(k, bytes(data))
+    r = relay(src, dst)
+    for k in (chunk, cfg):
+        assert dst.get(k).data == src.get(k).data, k
+    assert r.stats.objects_copied == 2
+    sub = Subscriber(store=dst)
+    assert sub.sync() == 3
