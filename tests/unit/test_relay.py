@@ -10,7 +10,8 @@ import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
 from xcluster.cli import main
-from xcluster.errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ResourceLimitError,
+from xcluster.errors import (ChecksumMismatchError, ConcurrentPublisherError, ConfigError, ObjectNotFoundError,
+                             ResourceLimitError,
                              RollbackError, RunMismatchError, SignatureError)
 from xcluster.format import HEAD_KEY, lease_key, parse_head, parse_lease
 from xcluster.relay import Relay, RelayConfig
@@ -122,7 +123,7 @@ def test_a_relay_killed_before_head_resumes_without_fetching_again(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         Relay(src_store=src, dst_store=DiesAtHead(tmp_path / "dst"), config=RelayConfig(**ONCE)).step()
-    with pytest.raises(Exception):
+    with pytest.raises(ObjectNotFoundError):
         dst.get(HEAD_KEY)  # nothing visible to local subscribers
     r = relay(src, dst)
     assert r.stats.objects_copied == 0 and r.stats.objects_present == 4  # 3 chunks + config.json once
