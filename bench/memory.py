@@ -64,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
     out = []
     start = _status("VmRSS")  # after imports: everything above is weights, bases, buffers
     if args.child == "publisher":
-        pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None))
+        pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000, checkpoint_chain_fraction=None))
         for phase, step, key in (("keyframe", 0, True), ("delta", 1, False), ("second keyframe", 2, True)):
             sd = weights(args.gib, step)  # the caller's weights: counted, as the target does
             _reset_peak()

@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, root: str, port: int, mib: float, deltas: int) 
         return out
 
     pub = ShardedPublisher(str(Path(root) / "store"), sharded=ShardedConfig(timeout_s=600),
-                           config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None,
+                           config=PublisherConfig(keyframe_every=1000, checkpoint_chain_fraction=None,
                                                   codec=CodecConfig(workers=1)))
     rows = []
     for step in range(deltas + 1):

@@ -137,7 +137,8 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
         subscriber=SubscriberConfig(**_given(fetch_workers=args.fetch_workers), trusted_keys=tuple(args.trust),
                                     run_id=args.run_id, max_staleness_s=args.max_staleness),
         notify=notify_socket is not None, notify_socket=notify_socket,
-        progress=sys.stderr.isatty() and not args.no_progress, warm_up=not args.no_warm_up)
+        progress=sys.stderr.isatty() and not args.no_progress, warm_up=not args.no_warm_up,
+        write_checkpoints_every=args.write_checkpoints)
     metrics = DaemonMetrics()
     server = metrics.serve(args.metrics_port, addr=args.metrics_addr) if args.metrics_port else None
     daemon = Daemon(args.url, config=config, handoff=handoff, metrics=metrics)
@@ -182,6 +183,10 @@ def _add_subscribe(sub) -> None:
                    help="refuse a HEAD committed longer ago than this (a frozen or replayed store; see "
                         "docs/SECURITY.md); what is held keeps being served")
     p.add_argument("--node-id", help="name in leases/<node-id>.json (default: hostname)")
+    p.add_argument("--write-checkpoints", type=int, metavar="N",
+                   help="write a checkpoint of the version held into the store followed whenever its newest is N "
+                        "or more versions behind (a cluster-local store: joiners then start from a checkpoint that "
+                        "never crossed the WAN; needs write access there). Default: never")
     p.add_argument("--lease-interval", type=float,
                    help="seconds between lease writes, 0: none (default: DaemonConfig.lease_every_s)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")

@@ -49,8 +49,12 @@ from .errors import ConfigError, RankLostError, ShardedPublishError, ShardLayout
 from .files import FileSet, collect_files
 from .format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifest, Segment,
                      StreamEntry, TensorEntry, canonical_json, check_tensor_name, manifest_key, manifest_name_for)
-from .publisher import (MAX_STEP, PublisherConfig, chain_fields, encode_and_upload, keyframe_due,
+from .checkpoint import checkpoint_manifest
+from .format import CHECKPOINT, checkpoint_dir, checkpoint_key
+from .manifest_object import pack
+from .publisher import (MAX_STEP, PublisherConfig, chain_fields, checkpoint_due, encode_and_upload, keyframe_due,
                         prepare_state, resolve_run_id)
+from .upload import encode_and_upload as upload_chunks
 from .retention import gc
 from .signing import load_signer
 from .store import Store, resolve_store
@@ -104,6 +108,8 @@ class ShardedPublishResult:
     rank_bytes: int
     """Chunk bytes this rank uploaded."""
     publish_seconds: float
+    checkpoint_bytes: int = 0
+    """Bytes of the checkpoint written after this version (rank 0: every rank's; 0: none)."""
     """This rank's wall time in ``publish()``."""
 
 
@@ -153,7 +159,8 @@ class ShardedPublisher:
         self._base_model_digest: str | None = None
         self._base_link: tuple[str, str] | None = None
         self._keyframe_version = 0
-        self._since_keyframe = self._keyframe_bytes = self._chain_bytes = 0
+        self._since_keyframe = self._since_checkpoint = self._checkpoint_bytes = self._chain_bytes = 0
+        self._committed: tuple[Manifest, str, str] | None = None  # rank 0: the last commit (for its checkpoint)
         self.run_id: str | None = None
         """The training run (as rank 0 resolved it from HEAD and the config)."""
         error, cause = None, None
@@ -299,15 +306,78 @@ class ShardedPublisher:
             raise ShardedPublishError(f"{self.store.url}: version {version} not published: {outcome['error']}") \
                 from (cause or self._commit_exc)
         self._advance(local, encoded, version, is_key)
+        checkpoint_bytes = self._checkpoint(local, digests, layout, version, attempt) if outcome.get("checkpoint") else 0
         result = ShardedPublishResult(
             version=version, kind=KEYFRAME if is_key else DELTA, step=step, model_digest=outcome["model_digest"],
             committed_unix=outcome["committed_unix_ms"] / 1000, total_elements=outcome["total_elements"],
             changed_elements=outcome["changed_elements"], model_bytes=outcome["model_bytes"],
             bytes_written=outcome["bytes_written"], rank=self.rank, world_size=self.world_size,
             rank_elements=sum(t.numel() for t in local.values()), rank_changed_elements=encoded.changed_elements,
-            rank_bytes=uploaded, publish_seconds=time.perf_counter() - t0)
+            rank_bytes=uploaded, publish_seconds=time.perf_counter() - t0, checkpoint_bytes=checkpoint_bytes)
         self.last_result = result
         return result
+
+    def _checkpoint(self, local: dict[str, torch.Tensor], digests: dict[str, str], layout: list[list], version: int,
+                    attempt: str) -> int:
+        """Collective, after a committed delta when the checkpoint policy says so: every rank
+        encodes its part in full into ``checkpoints/<version>/``, rank 0 writes the checkpoint
+        manifest (FORMAT.md §3a). A failure anywhere is logged, never raised: the version is
+        committed, and the checkpoint is tried again after the next one. Returns the bytes
+        written (rank 0: all ranks'; elsewhere this rank's)."""
+        written: list[str] = []
+        d = checkpoint_dir(version)
+        part: dict[str, Any] = {"error": None}
+        try:
+            encoded, uploaded = upload_chunks(
+                self.store, self.config.codec, local, digests, None, key_of=lambda n: f"{d}/{n}", written=written,
+                tags={KIND_TAG: CHECKPOINT}, chunk_prefix=f"k{attempt}-r{self.rank}",
+                upload_workers=self.config.upload_workers, max_inflight_chunks=self.config.max_inflight_chunks)
+            offsets = {row[0]: row[3] for row in layout}
+            part = {"error": None, "bytes": uploaded, "changed": encoded.changed_elements,
+                    "tensors": [[t.name, offsets[t.name], t.digest, t.init] for t in encoded.tensors],
+                    "chunks": [[c.name, c.size, c.xxh3_128] for c in encoded.chunks],
+                    "blocks": [[b.chunk, b.offset, b.encoding, b.width, [[s.codec, s.stored, s.raw] for s in b.streams],
+                                [[s.tensor, s.start, s.count, s.nnz] for s in b.segments]] for b in encoded.blocks]}
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0
+            part = {"error": f"rank {self.rank}: {type(exc).__name__}: {exc}"}
+        try:
+            parts = self._gather(part, "gathering the checkpoint's parts")
+            verdict = None
+            if self.rank == 0:
+                verdict = self._write_checkpoint_manifest(parts, version, attempt)
+            verdict = self._broadcast(verdict, "broadcasting the checkpoint's outcome")
+        except RankLostError:
+            verdict = {"error": "a rank was lost"}
+        if verdict["error"] is not None:
+            log.warning("%s: rank %d: no checkpoint of version %d: %s", self.store.url, self.rank, version,
+                        verdict["error"])
+            _delete_chunks(self.store, written)
+            return 0
+        return verdict["bytes"] if self.rank == 0 else part.get("bytes", 0)
+
+    def _write_checkpoint_manifest(self, parts: list[dict], version: int, attempt: str) -> dict:
+        errors = [p["error"] for p in parts if p["error"] is not None]
+        if errors:
+            return {"error": "; ".join(errors)}
+        try:
+            assert self._committed is not None and self._committed[0].version == version
+            committed, mname, mhash = self._committed
+            full = self._assemble(parts, version, True, attempt, committed.step)
+            cp = checkpoint_manifest(committed, mname, mhash, full, created_unix_ms=int(self._clock() * 1000))
+            blob = pack(cp.to_bytes())
+            self.store.put(checkpoint_key(version, manifest_name_for(attempt)), blob, if_none_match=True,
+                           tags={KIND_TAG: CHECKPOINT})
+        except Exception as exc:  # noqa: BLE001 - every rank deletes its chunks
+            return {"error": f"rank 0: {type(exc).__name__}: {exc}"}
+        total = sum(p["bytes"] for p in parts) + len(blob)
+        self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, total, 0
+        if self.config.gc_after_checkpoint is not None:
+            try:
+                report = gc(self.store, config=self.config.gc_after_checkpoint, now=self._clock, apply=True)
+                log.info("retention after checkpoint %d: deleted %d objects", version, len(report.deleted))
+            except Exception:  # retention is housekeeping: never fail a committed publish
+                log.warning("retention after checkpoint %d failed", version, exc_info=True)
+        return {"error": None, "bytes": total}
 
     def _advance(self, local: dict[str, torch.Tensor], encoded, version: int, is_key: bool) -> None:
         """Committed: bring this rank's base up to the version."""
@@ -335,9 +405,7 @@ class ShardedPublisher:
         key = canonical_json(tensors)
         is_key = (force_keyframe is True or key != self._layout or self._base_link is None
                   or any(m["base_version"] != c.version for m in msgs)
-                  or (force_keyframe is None and keyframe_due(
-                      self.config, since_keyframe=self._since_keyframe, chain_bytes=self._chain_bytes,
-                      keyframe_bytes=self._keyframe_bytes)))
+                  or (force_keyframe is None and keyframe_due(self.config, since_keyframe=self._since_keyframe)))
         self._plan_layout = key
         return {"error": None, "version": c.version + 1, "keyframe": is_key, "attempt": self._attempt_id()}
 
@@ -367,19 +435,17 @@ class ShardedPublisher:
         delta_bytes = sum(p["bytes"] for p in parts) + outcome.manifest_bytes + outcome.head_bytes
         if is_key:
             self._keyframe_version, self._since_keyframe = version, 0
-            self._keyframe_bytes, self._chain_bytes = delta_bytes, 0
+            self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, delta_bytes, 0
         else:
             self._since_keyframe += 1
+            self._since_checkpoint += 1
             self._chain_bytes += delta_bytes
         self._base_model_digest, self._base_link = manifest.model_digest, (mname, mhash)
         self._layout = self._plan_layout
-        if is_key and self.config.gc_after_keyframe is not None and version > 1:
-            try:
-                report = gc(self.store, config=self.config.gc_after_keyframe, now=self._clock, apply=True)
-                log.info("retention after keyframe %d: deleted %d objects", version, len(report.deleted))
-            except Exception:  # retention is housekeeping: never fail a committed publish
-                log.warning("retention after keyframe %d failed", version, exc_info=True)
-        return {"error": None, "manifest_attempted": True, "model_digest": manifest.model_digest,
+        self._committed = (manifest, mname, mhash)
+        due = not is_key and checkpoint_due(self.config, since_checkpoint=self._since_checkpoint,
+                                            chain_bytes=self._chain_bytes, checkpoint_bytes=self._checkpoint_bytes)
+        return {"error": None, "manifest_attempted": True, "model_digest": manifest.model_digest, "checkpoint": due,
                 "committed_unix_ms": head.committed_unix_ms, "total_elements": manifest.total_elements,
                 "changed_elements": manifest.changed_elements, "model_bytes": manifest.model_bytes,
                 "bytes_written": delta_bytes + file_bytes}

@@ -83,6 +83,11 @@ class DigestMismatchError(IntegrityError):
     """Weights after applying a version do not hash to the manifest's digest."""
 
 
+class CheckpointMismatchError(IntegrityError):
+    """A checkpoint does not reproduce the committed version it names (other tensors, digests, run
+    or files than that version's manifest, which the chain authenticates): it is not used."""
+
+
 class DecodeError(IntegrityError):
     """An encoded stream is malformed (bad zstd frame, wrong decoded size, out-of-range index)."""
 

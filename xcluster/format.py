@@ -37,7 +37,13 @@ LEASE_FORMAT = "xcluster-lease"
 
 KEYFRAME = "keyframe"
 DELTA = "delta"
+CHECKPOINT = "checkpoint"
 KINDS = (KEYFRAME, DELTA)
+"""What a committed version is (HEAD and the chain): a keyframe only where there is no base."""
+MANIFEST_KINDS = (*KINDS, CHECKPOINT)
+"""A manifest is a version's, or a checkpoint's: the full state of a committed version, a side
+object under ``checkpoints/<V>/`` that a joining node starts from (FORMAT.md §3a)."""
+FULL_KINDS = (KEYFRAME, CHECKPOINT)
 
 # encodings of a block
 PLANES = "planes"          # full values: byte planes of the raw bits
@@ -183,6 +189,25 @@ def lease_key(node_id: str) -> str:
 
 def chunk_key(version: int, name: str) -> str:
     return f"{version_dir(version)}/{check_chunk_name(name)}"
+
+
+CHECKPOINT_PREFIX = "checkpoints/"
+
+
+def checkpoint_dir(version: int) -> str:
+    return f"checkpoints/{version:012d}"
+
+
+def checkpoint_key(version: int, name: str) -> str:
+    """Key of a checkpoint manifest of ``version`` (``manifest-<attempt>.json.zst``)."""
+    return f"{checkpoint_dir(version)}/{check_manifest_name(name)}"
+
+
+def object_key(m: Manifest, name: str) -> str:
+    """Where chunk ``name`` of manifest ``m`` lives: its version's directory, or its checkpoint's."""
+    if m.kind == CHECKPOINT:
+        return f"{checkpoint_dir(m.version)}/{check_chunk_name(name)}"
+    return chunk_key(m.version, name)
 
 
 HEAD_KEY = "HEAD"
@@ -385,6 +410,8 @@ class Manifest:
     """Optional: the publisher's signature over the signed payload."""
     signed_payload: bytes | None = field(default=None, repr=False, compare=False)
     """Set by the parser on a signed manifest: the bytes its signature covers."""
+    checkpoint_of: ManifestLink | None = None
+    """A checkpoint's link to the committed manifest of the version it reproduces (same version)."""
 
     @property
     def encodings(self) -> tuple[str, ...]:
@@ -432,6 +459,9 @@ class Manifest:
                                                        "xxh3_128": p.xxh3_128}
         if self.run_id is not None:
             obj["run_id"] = self.run_id
+        if self.checkpoint_of is not None:
+            c = self.checkpoint_of
+            obj["checkpoint_of"] = {"version": c.version, "manifest": c.manifest, "xxh3_128": c.xxh3_128}
         if self.signature is not None:
             obj["signature"] = self.signature.to_obj()
         return obj
@@ -530,7 +560,7 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     obj = _load_json(data, where, MAX_MANIFEST_BYTES, MANIFEST_FORMAT)
     encodings = _encodings(obj, where)
     version = _int(obj, "version", where, lo=1)
-    kind = _str(obj, "kind", where, choices=KINDS)
+    kind = _str(obj, "kind", where, choices=MANIFEST_KINDS)
     base_version = _int(obj, "base_version", where, lo=1, null=True)
     base_digest = _str(obj, "base_model_digest", where, pattern=_HEX128, null=True)
     base_mh = _str(obj, "base_manifest_xxh3_128", where, pattern=_HEX128, null=True)
@@ -539,6 +569,10 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         if base_version is not None or base_digest is not None or base_mh is not None \
                 or keyframe_version != version:
             raise FormatError(f"{where}: a keyframe has no base (base_* null) and is its own keyframe_version")
+    elif kind == CHECKPOINT:
+        if base_version is not None or base_digest is not None or base_mh is not None \
+                or keyframe_version > version:
+            raise FormatError(f"{where}: a checkpoint has no base (base_* null) and keyframe_version <= version")
     else:
         if base_version != version - 1 or base_digest is None or base_mh is None:
             raise FormatError(f"{where}: a delta needs base_version = version - 1, base_model_digest and "
@@ -548,14 +582,21 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     files: list[FileEntry] = []
     run_id, (signature, payload) = _run_id(obj, where), _signature(obj, where)
     base_manifest = obj.get("base_manifest")
-    if kind == KEYFRAME and base_manifest is not None:
-        raise FormatError(f"{where}: a keyframe has no base_manifest")
+    if kind != DELTA and base_manifest is not None:
+        raise FormatError(f"{where}: a {kind} has no base_manifest")
     if kind == DELTA:
         try:
             check_manifest_name(base_manifest)
         except UnsafeNameError as exc:
             raise FormatError(f"{where}: field 'base_manifest' is invalid: {exc}") from None
     prev = _parse_prev(obj.get("prev_manifest"), version, where)
+    checkpoint_of = obj.get("checkpoint_of")
+    if kind == CHECKPOINT:
+        if prev is not None or checkpoint_of is None:
+            raise FormatError(f"{where}: a checkpoint has checkpoint_of (the version's manifest) and no prev_manifest")
+        checkpoint_of = _parse_prev(checkpoint_of, version + 1, where, field_name="checkpoint_of")
+    elif checkpoint_of is not None:
+        raise FormatError(f"{where}: only a checkpoint has checkpoint_of")
     if kind == DELTA and prev is not None and prev != ManifestLink(base_version, base_manifest, base_mh):
         raise FormatError(f"{where}: a delta's prev_manifest must repeat its base link (base_version, "
                           "base_manifest, base_manifest_xxh3_128)")
@@ -599,8 +640,8 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
             raise FormatError(f"{tw} ({name}): shape {shape} is over the limit: the product of its dims, "
                               f"each counted as at least 1, must be at most 2**44")
         init = _str(t, "init", tw, choices=(INIT_BASE, INIT_NONE))
-        if kind == KEYFRAME and init != INIT_NONE:
-            raise FormatError(f"{tw} ({name}): every tensor of a keyframe has init 'none'")
+        if kind in FULL_KINDS and init != INIT_NONE:
+            raise FormatError(f"{tw} ({name}): every tensor of a {kind} has init 'none'")
         tensors.append(TensorEntry(name, dtype, tuple(shape), _str(t, "digest", tw, pattern=_HEX128), init,
                                    _parts(t, tw, name, math.prod(shape))))
 
@@ -634,15 +675,15 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
                     tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
                     changed_elements=changed, base_manifest=base_manifest, files=tuple(files),
                     prev_manifest=prev, run_id=run_id, signature=signature,
-                    signed_payload=payload)
+                    signed_payload=payload, checkpoint_of=checkpoint_of)
 
 
-def _parse_prev(p: Any, version: int, where: str) -> ManifestLink | None:
+def _parse_prev(p: Any, version: int, where: str, *, field_name: str = "prev_manifest") -> ManifestLink | None:
     """``prev_manifest``: absent or null (version 1, or a writer before the field), else
     ``{"version": version - 1, "manifest": name, "xxh3_128": hash}``."""
     if p is None:
         return None
-    pw = f"{where}: prev_manifest"
+    pw = f"{where}: {field_name}"
     if not isinstance(p, dict):
         raise FormatError(f"{pw} must be an object or null")
     pv = _int(p, "version", pw, lo=1)

@@ -16,7 +16,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,18 +23,19 @@ import torch
 
 from . import heap
 from .basecopy import BASE_ON, BaseCopy, host_copy, tensor_digests
-from .codec.encode import CodecConfig, EncodedVersion, encode_version
+from .codec.encode import CodecConfig, EncodedVersion
 from .commit import Committer, InFlight, LateCommitError, seal
 from .digest import model_digest_from
 from .dtypes import dtype_name
 from .errors import ConfigError, FormatError, XclusterError
-from .failures import raise_first_failure
 from .files import FileSet, collect_files
-from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, ChunkEntry, Head, Manifest, ManifestLink, check_run_id,
+from .format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Manifest, ManifestLink, check_run_id,
                      check_tensor_name, chunk_key, manifest_key, manifest_name_for)
 from .retention import RetentionConfig, gc
 from .signing import load_signer
 from .store import Store, resolve_store
+from .upload import encode_and_upload as upload_chunks
+from .checkpoint_writer import write_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from .background import PublishTicket
@@ -46,9 +46,20 @@ MAX_STEP = (1 << 53) - 1
 
 @dataclass(frozen=True, kw_only=True)
 class PublisherConfig:
-    keyframe_every: int = 32
-    """A keyframe (full weights) every this many versions; deltas in between. The first version
-    a publisher writes is always a keyframe. 1 = keyframes only."""
+    checkpoint_every: int | None = 32
+    """A checkpoint (the full state of a committed version, a side object that a *joining* node
+    starts from: FORMAT.md §3a) after every this many versions. Versions themselves stay deltas:
+    a node that follows never downloads a checkpoint. None: no checkpoints (a joiner walks the
+    chain from its keyframe, at most ``format.MAX_CHAIN`` versions)."""
+    checkpoint_chain_fraction: float | None = 1.0
+    """Also write a checkpoint once the deltas since the last one add up to more than this
+    fraction of its bytes, so a node joining late downloads at most about ``1 + fraction``
+    checkpoints' worth. None: by ``checkpoint_every`` alone."""
+    keyframe_every: int | None = None
+    """Also make every this many versions a keyframe (a full *version*, which every follower
+    downloads). None (the default, and the better choice: checkpoints serve joiners at no cost to
+    followers): a keyframe only where there is no base (the first version, a publisher restarted
+    without its base, a lost commit race). 1 = full versions only (no deltas)."""
     codec: CodecConfig = field(default_factory=CodecConfig)
     """How tensors are encoded and chunked."""
     upload_workers: int = 8
@@ -56,16 +67,12 @@ class PublisherConfig:
     max_inflight_chunks: int = 4
     """Encoded chunks held in memory waiting for upload; bounds memory at about
     ``max_inflight_chunks × codec.chunk_bytes``."""
-    keyframe_chain_fraction: float | None = 1.0
-    """Also write a keyframe once the deltas since the last keyframe add up to more than this
-    fraction of that keyframe's bytes, so a subscriber joining late downloads at most about
-    ``1 + fraction`` keyframes' worth (plus one delta). None: by ``keyframe_every`` alone."""
     inflight_refresh_s: float = 60.0
     """While a version's objects are uploaded, ``inflight/<attempt>`` is written again every this
     many seconds: retention keeps an attempt's objects while its marker is younger than its grace
     period (an hour by default), however long the upload takes. Must be well below that grace."""
-    gc_after_keyframe: RetentionConfig | None = None
-    """Run retention (``xcluster gc --apply`` with these settings) after each committed keyframe:
+    gc_after_checkpoint: RetentionConfig | None = None
+    """Run retention (``xcluster gc --apply`` with these settings) after each checkpoint written:
     what HEAD and live subscribers need stays, the rest goes once past its grace. None: never
     (run ``xcluster gc`` yourself, or use the bucket's lifecycle rules; see docs/RETENTION.md)."""
     background: bool = False
@@ -96,15 +103,17 @@ class PublisherConfig:
     def __post_init__(self) -> None:
         if not self.inflight_refresh_s > 0:
             raise ConfigError(f"inflight_refresh_s must be > 0, got {self.inflight_refresh_s}")
-        if not 1 <= self.keyframe_every <= MAX_CHAIN:
-            raise ConfigError(
-                f"keyframe_every must be in [1, {MAX_CHAIN}], got {self.keyframe_every}: a subscriber that joins "
-                f"walks back to the newest keyframe and refuses chains longer than format.MAX_CHAIN ({MAX_CHAIN}), "
-                "so a longer interval would lock out every new node")
+        for name in ("checkpoint_every", "keyframe_every"):
+            v = getattr(self, name)
+            if v is not None and not 1 <= v <= MAX_CHAIN:
+                raise ConfigError(
+                    f"{name} must be in [1, {MAX_CHAIN}] or None, got {v}: a subscriber that joins walks back to "
+                    f"the newest checkpoint or keyframe and refuses chains longer than format.MAX_CHAIN "
+                    f"({MAX_CHAIN}), so a longer interval would lock out every new node")
         if self.upload_workers < 1 or self.max_inflight_chunks < 1:
             raise ConfigError("upload_workers and max_inflight_chunks must be >= 1")
-        if self.keyframe_chain_fraction is not None and not self.keyframe_chain_fraction > 0:
-            raise ConfigError(f"keyframe_chain_fraction must be > 0 or None, got {self.keyframe_chain_fraction}")
+        if self.checkpoint_chain_fraction is not None and not self.checkpoint_chain_fraction > 0:
+            raise ConfigError(f"checkpoint_chain_fraction must be > 0 or None, got {self.checkpoint_chain_fraction}")
         if self.snapshot not in ("device", "pinned"):
             raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
         if self.base_on not in BASE_ON:
@@ -131,6 +140,8 @@ class PublishResult:
     publish_seconds: float
     committed_unix: float
     model_digest: str
+    checkpoint_bytes: int = 0
+    """Bytes of the checkpoint written after this version (0: none was due, or writing it failed)."""
 
     @property
     def ratio(self) -> float:
@@ -185,8 +196,9 @@ class Publisher:
         self._base_version = 0
         self._keyframe_version = 0
         self._since_keyframe = 0
-        self._keyframe_bytes = 0
-        self._chain_bytes = 0  # bytes of the deltas since the last keyframe
+        self._since_checkpoint = 0
+        self._checkpoint_bytes = 0
+        self._chain_bytes = 0  # bytes of the deltas since the last checkpoint (or keyframe)
         self._signer = load_signer(self.config.signing_key)
         self._committer = Committer(self.store)
         self.run_id = self._run_id(self._committer.head)
@@ -365,28 +377,56 @@ class Publisher:
             self._base.advance_host(new, encoded.update, {e.name: e.digest for e in encoded.tensors})
         if is_key:
             self._keyframe_version, self._since_keyframe = version, 0
-            self._keyframe_bytes, self._chain_bytes = delta_bytes, 0
+            self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, delta_bytes, 0
         else:
             self._since_keyframe += 1
+            self._since_checkpoint += 1
             self._chain_bytes += delta_bytes
         self._base_model_digest, self._base_link = mdigest, (mname, mhash)
         self._base_version = version
-        if is_key and cfg.gc_after_keyframe is not None and version > 1:
-            try:
-                report = gc(self.store, config=cfg.gc_after_keyframe, now=self._clock, apply=True)
-                log.info("retention after keyframe %d: deleted %d objects (%d bytes)", version, len(report.deleted),
-                         report.bytes)
-            except Exception:  # retention is housekeeping: never fail a committed publish
-                log.warning("retention after keyframe %d failed", version, exc_info=True)
+        checkpoint_bytes = 0
+        if not is_key and self._checkpoint_due():
+            checkpoint_bytes = self._write_checkpoint(manifest, mname, mhash)
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
             total_elements=manifest.total_elements, changed_elements=encoded.changed_elements,
             model_bytes=manifest.model_bytes, bytes_written=delta_bytes + file_bytes,
-            publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest)
+            publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest,
+            checkpoint_bytes=checkpoint_bytes)
 
     def _keyframe_due(self) -> bool:
-        return keyframe_due(self.config, since_keyframe=self._since_keyframe, chain_bytes=self._chain_bytes,
-                            keyframe_bytes=self._keyframe_bytes)
+        return keyframe_due(self.config, since_keyframe=self._since_keyframe)
+
+    def _checkpoint_due(self) -> bool:
+        return checkpoint_due(self.config, since_checkpoint=self._since_checkpoint, chain_bytes=self._chain_bytes,
+                              checkpoint_bytes=self._checkpoint_bytes)
+
+    def _write_checkpoint(self, manifest: Manifest, mname: str, mhash: str) -> int:
+        """The checkpoint of the version just committed, from the publisher's host copy of it. A
+        failure is logged and retried after the next version: the version is committed whatever."""
+        cfg = self.config
+        assert self._base is not None
+        heap.release()
+        try:
+            w = write_checkpoint(self.store, self._base.host, manifest, mname, mhash, codec=cfg.codec,
+                                 upload_workers=cfg.upload_workers, max_inflight_chunks=cfg.max_inflight_chunks,
+                                 attempt=self._attempt_id(), clock=self._clock)
+        except Exception:  # noqa: BLE001 - a checkpoint is for joiners: never fail a committed publish
+            log.warning("writing the checkpoint of version %d failed; trying again after the next version",
+                        manifest.version, exc_info=True)
+            return 0
+        finally:
+            heap.release()
+        log.info("checkpoint of version %d: %d bytes in %.2fs", w.version, w.bytes_written, w.seconds)
+        self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, w.bytes_written, 0
+        if cfg.gc_after_checkpoint is not None:
+            try:
+                report = gc(self.store, config=cfg.gc_after_checkpoint, now=self._clock, apply=True)
+                log.info("retention after checkpoint %d: deleted %d objects (%d bytes)", w.version,
+                         len(report.deleted), report.bytes)
+            except Exception:  # retention is housekeeping: never fail a committed publish
+                log.warning("retention after checkpoint %d failed", w.version, exc_info=True)
+        return w.bytes_written
 
     def _encode_and_upload(self, version, new, digests, base, written: list[str], tags: dict[str, str],
                            attempt: str):
@@ -410,13 +450,20 @@ def chain_fields(version: int, *, is_key: bool, head: Head | None, base_model_di
         prev_manifest=None if head is None else ManifestLink(head.version, head.manifest, head.manifest_xxh3_128))
 
 
-def keyframe_due(config: PublisherConfig, *, since_keyframe: int, chain_bytes: int, keyframe_bytes: int) -> bool:
-    """The keyframe policy: ``keyframe_every``, or the deltas since the last keyframe outweigh
-    ``keyframe_chain_fraction`` of it."""
-    if since_keyframe + 1 >= config.keyframe_every:
+def keyframe_due(config: PublisherConfig, *, since_keyframe: int) -> bool:
+    """Whether the next version must be a keyframe by ``keyframe_every`` (off by default)."""
+    return config.keyframe_every is not None and since_keyframe + 1 >= config.keyframe_every
+
+
+def checkpoint_due(config: PublisherConfig, *, since_checkpoint: int, chain_bytes: int, checkpoint_bytes: int) -> bool:
+    """The checkpoint policy, after a committed delta: ``checkpoint_every`` versions since the last
+    checkpoint (or keyframe), or the deltas since then outweigh ``checkpoint_chain_fraction`` of it."""
+    if config.checkpoint_every is None:
+        return False
+    if since_checkpoint >= config.checkpoint_every:
         return True
-    frac = config.keyframe_chain_fraction
-    return frac is not None and chain_bytes > frac * keyframe_bytes
+    frac = config.checkpoint_chain_fraction
+    return frac is not None and chain_bytes > frac * checkpoint_bytes
 
 
 def resolve_run_id(want: str | None, head: Head | None, url: str) -> str:
@@ -433,30 +480,9 @@ def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: 
                       digests: Mapping[str, str], base: Mapping[str, torch.Tensor] | None, *, written: list[str],
                       tags: dict[str, str], chunk_prefix: str) -> tuple[EncodedVersion, int]:
     """Encode ``new`` (against ``base``, or as a keyframe) into chunks ``<chunk_prefix>-NNNNNN.xc``
-    of ``version`` and upload them while encoding continues. Every key put (or being put) is
-    appended to ``written``. Returns the encoded version and the chunk bytes uploaded."""
+    of ``version`` and upload them while encoding continues (see :func:`xcluster.upload.encode_and_upload`)."""
     # Chunk names are unique to this attempt, so a publisher that loses the race for a
     # version number (or retries one) never overwrites or deletes another attempt's chunks.
-    slots = threading.BoundedSemaphore(config.max_inflight_chunks)
-    futures: list[Future] = []
-    total = 0
-
-    with ThreadPoolExecutor(max_workers=config.upload_workers, thread_name_prefix="xc-upload") as pool:
-        def upload(key: str, data: bytes) -> None:
-            try:
-                store.put(key, data, tags=tags)
-            finally:
-                slots.release()
-
-        def emit(entry: ChunkEntry, data: bytes) -> None:
-            nonlocal total
-            key = chunk_key(version, entry.name)
-            slots.acquire()
-            written.append(key)
-            total += len(data)
-            futures.append(pool.submit(upload, key, data))
-            raise_first_failure(futures, done_only=True)  # fail fast if an upload already failed
-
-        encoded = encode_version(new, digests, base, config.codec, emit, chunk_prefix=chunk_prefix)
-        raise_first_failure(futures)
-    return encoded, total
+    return upload_chunks(store, config.codec, new, digests, base, key_of=lambda n: chunk_key(version, n),
+                         written=written, tags=tags, chunk_prefix=chunk_prefix, upload_workers=config.upload_workers,
+                         max_inflight_chunks=config.max_inflight_chunks)

@@ -7,12 +7,17 @@ local copy and verifies it exactly as it would the original. Per cycle:
 
 1. Poll SRC's HEAD (one conditional GET). Nothing new: done.
 2. Walk SRC's chain back from HEAD (chain.py: each manifest checked against its link) to the
-   version DST's HEAD names, or to the keyframe when DST's HEAD is not on the chain.
+   version DST's HEAD names: only deltas cross the WAN for a destination that follows. A
+   destination that holds nothing (or whose version SRC no longer keeps) starts from SRC's
+   newest checkpoint (checked against the chain, checkpoint.py) instead of the chain's keyframe.
 3. Oldest first, copy each version's chunks and files — each fetched once, its size and XXH3-128
    checked against the manifest before it is written, skipped when DST already holds a copy of
    that size and XXH3-128 (a corrupt copy is copied again) — then its manifest (same name, same bytes).
 4. Compare-and-swap DST's HEAD to SRC's HEAD bytes. Local subscribers see only complete versions,
    in commit order.
+5. Checkpoints for local joiners: a checkpoint crosses the WAN only when DST has none within
+   ``checkpoint_lag`` versions of HEAD. Run one subscriber in the cluster with
+   ``--write-checkpoints`` and DST gets fresh checkpoints from verified local state instead.
 
 Nothing that fails to verify is written (the cycle raises and is retried with backoff). A HEAD
 below what DST holds is refused (:class:`RollbackError`), never propagated. A relay killed at any
@@ -35,12 +40,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .chain import Link, LinkedManifest, read_manifest, walk_links
+from .chain import Link, LinkedManifest, Plan, read_manifest, walk_links
+from .checkpoint import LoadedCheckpoint, check_checkpoint, list_checkpoints, read_checkpoint
 from .errors import (ChainBrokenError, ChecksumMismatchError, ConcurrentPublisherError, ConfigError, FormatError,
                      ObjectNotFoundError, PreconditionFailedError, RollbackError, RunMismatchError, StoreError,
                      TruncatedObjectError, XclusterError)
-from .format import (HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, check_run_id, chunk_key,
-                     file_key, lease_key, parse_head, xxh3_128)
+from .format import (CHECKPOINT, HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, check_run_id,
+                     chunk_key, file_key, lease_key, object_key, parse_head, xxh3_128)
 from .retention import RetentionConfig, gc
 from .retry import Backoff
 from .signing import load_verifier
@@ -74,7 +80,13 @@ class RelayConfig:
     """Ed25519 public keys: copy only HEADs and manifests signed by one of them (subscribers
     check again). Empty: ``$XCLUSTER_TRUSTED_KEYS`` when set, else signatures are copied unchecked."""
     gc: RetentionConfig | None = None
-    """Run retention on DST (by the local subscribers' leases) after each copied keyframe."""
+    """Run retention on DST (by the local subscribers' leases) whenever DST gained a keyframe or a
+    newer checkpoint (copied, or written there by a local subscriber)."""
+    checkpoint_lag: int | None = 256
+    """Copy SRC's newest checkpoint when DST's newest is this many versions or more behind HEAD
+    (DST holding none counts as 0): local joiners then never walk more deltas than that. A local
+    subscriber with ``--write-checkpoints`` keeps DST fresher without WAN bytes. None: only when
+    DST starts empty."""
     run_id: str | None = None
     """Relay only this training run: a HEAD or manifest of another run raises
     :class:`RunMismatchError` before anything is copied (DST keeps its version). None: the run of
@@ -93,6 +105,8 @@ class RelayConfig:
             raise ConfigError("trusted_keys is a tuple of paths, not one string")
         if self.max_plan_bytes < 1:
             raise ConfigError("max_plan_bytes must be >= 1 byte")
+        if self.checkpoint_lag is not None and self.checkpoint_lag < 1:
+            raise ConfigError("checkpoint_lag must be >= 1 or None")
         if self.run_id is not None:
             try:
                 check_run_id(self.run_id)
@@ -106,6 +120,7 @@ class RelayStats:
     """Counters since the relay started."""
 
     versions_copied: int = 0
+    checkpoints_copied: int = 0
     objects_copied: int = 0
     objects_present: int = 0
     """Already in DST (a restart after a crash, or a file unchanged since an earlier version)."""
@@ -143,6 +158,7 @@ class Relay:
         """The run relayed: the pin, else DST's HEAD's run, else the first copied HEAD's."""
         self._refused: dict[tuple[int, str], XclusterError] = {}
         self._refused_for: tuple[int, str] | None = None
+        self._gc_checkpoint: int | None = None  # DST's newest checkpoint at the last retention run
 
     @property
     def version(self) -> int | None:
@@ -231,13 +247,27 @@ class Relay:
                 raise ChainBrokenError(f"{where}: keyframe_version {m.keyframe_version} differs from its base's "
                                        f"(version {have.version}: {have.keyframe_version}): one of them lies")
 
-        plan = walk_links(self.src, Link.of_head(head), stop=reaches_held, check=check, max_chain=MAX_CHAIN,
-                          max_bytes=self.config.max_plan_bytes, refused=self._refused,
-                          retries=self.config.integrity_retries, on_retry=self._count_retry)
+        walk = dict(check=check, max_chain=MAX_CHAIN, max_bytes=self.config.max_plan_bytes, refused=self._refused,
+                    retries=self.config.integrity_retries, on_retry=self._count_retry)
+        plan, cp = (None, None) if have is not None else self._checkpoint_plan(head, reaches_held, walk)
+        if plan is None:
+            try:
+                plan = walk_links(self.src, Link.of_head(head), stop=reaches_held, **walk)
+            except ChainBrokenError as exc:  # SRC no longer keeps what follows DST's version
+                if have is None:
+                    raise
+                plan, cp = self._checkpoint_plan(head, reaches_held, walk)
+                if plan is None:
+                    raise
+                log.warning("%s; DST continues from checkpoint %s", exc, cp.key)
         links, first = plan.links, plan.oldest
         del plan
         keyframe = False
         self._files_done = set()
+        if cp is not None:  # the checkpoint stands for the oldest version: its manifest, not its chunks
+            self._copy_checkpoint(cp)
+            self._copy_version(first, chunks=False)
+            links, first = links[1:], None
         for link in links:  # one parsed manifest at a time: later ones read again, hash-checked
             if first is not None:
                 lm, first = first, None
@@ -248,12 +278,14 @@ class Relay:
             keyframe |= lm.manifest.kind == KEYFRAME
             del lm
         self._commit(head, head_bytes)
+        newest = self._refresh_checkpoint(head, reaches_held, walk)
         if self._run_id is None:
             self._run_id = head.run_id  # the first version copied pins the run
         self._target = None
         self._write_lease(force=True)
         log.info("relayed up to version %d (%d version(s) copied)", head.version, len(links))
-        if keyframe and self.config.gc is not None:
+        if self.config.gc is not None and (keyframe or newest != self._gc_checkpoint):
+            self._gc_checkpoint = newest
             try:
                 report = gc(self.dst, config=self.config.gc, now=self._clock, apply=True)
                 log.info("retention on %s: deleted %d objects (%d bytes)", self.dst.url, len(report.deleted),
@@ -262,14 +294,74 @@ class Relay:
                 log.warning("retention on %s failed", self.dst.url, exc_info=True)
         return self.version
 
+    # --- checkpoints ------------------------------------------------------------------------------
+    def _checkpoint_plan(self, head: Head, reaches_held, walk: dict) -> tuple[Plan | None, LoadedCheckpoint | None]:
+        """SRC's chain from HEAD back to its newest usable checkpoint, and that checkpoint; ``(plan,
+        None)`` when a keyframe or DST's version comes first; ``(None, None)`` when none serves."""
+        for ref in list_checkpoints(self.src, at_most=head.version):
+            try:
+                cp = read_checkpoint(self.src, ref)
+            except (XclusterError, ObjectNotFoundError) as exc:
+                log.warning("skipping checkpoint %s/%s: %s", self.src.url, ref.key, exc)
+                continue
+            self._count(bytes_from_source=len(cp.stored))
+            v = ref.version
+            plan = walk_links(self.src, Link.of_head(head), stop=lambda lm: reaches_held(lm) or lm.version == v,
+                              **walk)
+            oldest = plan.oldest
+            if oldest.version != v or oldest.manifest.kind == KEYFRAME:
+                return plan, None
+            try:
+                check_checkpoint(cp.manifest, oldest.manifest, oldest.link.xxh3_128, oldest.link.manifest,
+                                 where=f"{self.src.url}/{ref.key}")
+            except XclusterError as exc:
+                log.warning("skipping checkpoint: %s", exc)
+                continue
+            return plan, cp
+        return None, None
+
+    def _copy_checkpoint(self, cp: LoadedCheckpoint) -> None:
+        """A checkpoint's chunks (verified like a version's), then its manifest, create-once."""
+        m = cp.manifest
+        tags = {KIND_TAG: CHECKPOINT}
+        jobs = [(object_key(m, c.name), c.size, c.xxh3_128, tags) for c in m.chunks]
+        with ThreadPoolExecutor(max_workers=self.config.workers) as pool:
+            for _ in pool.map(lambda job: self._copy_object(*job), jobs):
+                pass
+        try:
+            self.dst.put(cp.key, cp.stored, if_none_match=True, tags=tags)
+        except PreconditionFailedError:
+            pass  # already there (a restart): same name, and a reader checks it whatever it holds
+        self._count(bytes_to_destination=len(cp.stored), checkpoints_copied=1)
+
+    def _refresh_checkpoint(self, head: Head, reaches_held, walk: dict) -> int | None:
+        """After a cycle: copy SRC's newest checkpoint when DST's newest is ``checkpoint_lag`` or
+        more versions behind HEAD. Returns DST's newest checkpoint version after it."""
+        dst_refs = list_checkpoints(self.dst, at_most=head.version)
+        newest = dst_refs[0].version if dst_refs else None
+        lag = self.config.checkpoint_lag
+        if lag is None or head.version - (newest or 0) < lag:
+            return newest
+        src_refs = list_checkpoints(self.src, at_most=head.version)
+        if not src_refs or src_refs[0].version <= (newest or 0):
+            return newest
+        try:
+            plan, cp = self._checkpoint_plan(head, lambda lm: False, walk)
+            if cp is not None and cp.manifest.version > (newest or 0):
+                self._copy_checkpoint(cp)
+                return cp.manifest.version
+        except (StoreError, XclusterError) as exc:  # DST's versions are all there: the next cycle tries again
+            log.warning("could not copy a checkpoint into %s: %s", self.dst.url, exc)
+        return newest
+
     # --- copying ----------------------------------------------------------------------------------
-    def _copy_version(self, lm: LinkedManifest) -> None:
+    def _copy_version(self, lm: LinkedManifest, *, chunks: bool = True) -> None:
         m = lm.manifest
         where = f"{self.src.url}/{lm.link.key}"
         if self.verifier is not None:
             self.verifier.verify(m, where=where)
         tags = {KIND_TAG: m.kind}
-        jobs = [(chunk_key(m.version, c.name), c.size, c.xxh3_128, tags) for c in m.chunks]
+        jobs = [(chunk_key(m.version, c.name), c.size, c.xxh3_128, tags) for c in m.chunks] if chunks else []
         jobs += [(file_key(f.xxh3_128), f.size, f.xxh3_128, None) for f in m.files
                  if f.xxh3_128 not in self._files_done]  # content-addressed: once per cycle
         self._files_done.update(f.xxh3_128 for f in m.files)

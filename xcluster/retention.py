@@ -1,19 +1,24 @@
-"""Retention (``xcluster gc``), torch-free: keep what HEAD and live subscribers need, delete the rest.
+"""Retention (``xcluster gc``), torch-free: keep what HEAD, joiners and live subscribers need, delete the rest.
 
 Kept, whatever else is asked:
 
-1. HEAD, and HEAD's chain back to its keyframe: each manifest on it and every chunk it names.
-2. For every *live* lease (updated within ``lease_ttl_s``): what that subscriber still needs. If
-   it is fetching a target that is not on HEAD's chain (it read HEAD just before a newer keyframe
-   was committed), every object under the version directories from the keyframe at or below its
-   applied version (or, when that cannot be read, from its applied version) up to its target.
+1. HEAD, and HEAD's chain back to the oldest of its newest ``keep_checkpoints`` checkpoints (or
+   to its keyframe, when it has fewer): each manifest on it and every chunk it names, and those
+   checkpoints (manifest and chunks). A checkpoint counts only if it reproduces the version it
+   names on HEAD's chain (checkpoint.py); others go.
+2. For every *live* lease (updated within ``lease_ttl_s``): what that subscriber still needs to
+   follow by deltas alone: HEAD's chain from the version after the one it holds. If it is fetching
+   a target that is not on HEAD's chain (it read HEAD just before a forced keyframe), every object
+   under the version directories from the keyframe at or below its applied version (or, when that
+   cannot be read, from its applied version) up to its target.
 3. ``files/<hash>`` named by any kept manifest, including every manifest in a lease-kept version.
 4. Anything modified less than ``grace_s`` ago: in-flight fetches, a slow publisher's attempt
-   whose HEAD write may still land. Objects whose age the store cannot tell are kept.
+   whose HEAD write may still land, a checkpoint being written. Objects whose age the store cannot
+   tell are kept.
 
-Everything else under ``versions/`` and ``files/`` goes: versions behind HEAD's keyframe, and the
-leftovers of failed attempts (manifests no chain names, their chunks). Leases expired for more
-than ``lease_expiry_factor × lease_ttl_s`` are deleted too. Dry run unless ``apply=True``.
+Everything else under ``versions/``, ``checkpoints/`` and ``files/`` goes: versions behind what
+joiners and leases need, older checkpoints, and the leftovers of failed attempts. Leases expired
+for more than ``lease_expiry_factor × lease_ttl_s`` are deleted too. Dry run unless ``apply=True``.
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .chain import Link, read_head, read_manifest
-from .errors import ConfigError, ObjectNotFoundError, XclusterError
-from .format import (INFLIGHT_PREFIX, KEYFRAME, MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, chunk_key,
-                     file_key, is_manifest_name, parse_lease, parse_manifest, version_dir)
+from .checkpoint import CheckpointRef, check_checkpoint, checkpoint_version_of, list_checkpoints, read_checkpoint
+from .errors import ChainBrokenError, ConfigError, ObjectNotFoundError, XclusterError
+from .format import (CHECKPOINT_PREFIX, INFLIGHT_PREFIX, KEYFRAME, MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease,
+                     Manifest, chunk_key, file_key, is_manifest_name, object_key, parse_lease, parse_manifest,
+                     version_dir)
 from .manifest_object import unpack
 from .store import Store
 
 log = logging.getLogger(__name__)
 _VERSION_KEY = re.compile(r"versions/(\d{12})/(.+)")
+_CHECKPOINT_OBJECT = re.compile(r"checkpoints/(\d{12})/(.+)")
 _ATTEMPT_OBJECT = re.compile(r"c([a-z0-9]{1,32})-\d+\.xc|manifest-([a-z0-9]{1,32})\.json\.zst")
 
 
@@ -45,6 +53,9 @@ class RetentionConfig:
     a fetch in flight or a HEAD write that is still travelling never loses what it needs."""
     lease_expiry_factor: float = 30.0
     """Leases older than this many TTLs are deleted (their subscriber is long gone)."""
+    keep_checkpoints: int = 2
+    """The newest this many checkpoints on HEAD's chain are kept, with the deltas from the oldest of
+    them to HEAD: a node joins from the newest, or from the one before should the newest fail."""
     max_clock_skew_s: float = 300.0
     """A lease dated more than this many seconds ahead of gc's clock protects nothing (it is
     reported in ``GcReport.future_leases``): a node's clock that far off, or a forged lease, would
@@ -53,6 +64,8 @@ class RetentionConfig:
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0 or self.grace_s < 0 or not self.lease_expiry_factor >= 1:
             raise ConfigError("lease_ttl_s must be > 0, grace_s >= 0 and lease_expiry_factor >= 1")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("keep_checkpoints must be >= 1")
         if not self.max_clock_skew_s >= 0:
             raise ConfigError("max_clock_skew_s must be >= 0")
 
@@ -106,17 +119,40 @@ def read_lease(store: Store, key: str) -> Lease:
     return parse_lease(store.get_range(key, 0, MAX_LEASE_BYTES + 1), where=f"{store.url}/{key}")
 
 
-def _chain(store: Store, link: Link, keep: set[str], files: set[str]) -> tuple[int, Link | None]:
-    """Add ``link``'s chain back to its keyframe to ``keep``; returns the keyframe version and
-    the keyframe's link to the version before it (None if it has none)."""
+def _chain(store: Store, link: Link, keep: set[str], files: set[str], *, checkpoints: dict[int, list[CheckpointRef]],
+           keep_checkpoints: int, floor: int) -> tuple[int, Link | None]:
+    """Add ``link``'s chain to ``keep``, back to its keyframe, or to the version of the
+    ``keep_checkpoints``-th newest checkpoint that reproduces its version on the chain once at or
+    below ``floor`` (leases need the deltas above it), keeping those checkpoints' objects too.
+    Returns the keyframe version (0 when the walk ended at checkpoints) and the link to the version
+    before the lowest one walked (None if there is none)."""
+    anchors = 0
     while True:
-        lm = read_manifest(store, link)
+        try:
+            lm = read_manifest(store, link)
+        except ChainBrokenError:
+            if anchors:  # what lies below the checkpoints kept is not needed (a relay's copy starts at one)
+                return 0, None
+            raise
         m = lm.manifest
         keep.add(link.key)
         keep.update(chunk_key(m.version, c.name) for c in m.chunks)
         files.update(f.xxh3_128 for f in m.files)
+        for ref in checkpoints.get(m.version, ()):
+            try:
+                cp = read_checkpoint(store, ref)
+                check_checkpoint(cp.manifest, m, lm.link.xxh3_128, lm.link.manifest, where=f"{store.url}/{ref.key}")
+            except (XclusterError, ObjectNotFoundError) as exc:
+                log.warning("not keeping checkpoint %s: %s", ref.key, exc)
+                continue
+            keep.add(ref.key)
+            keep.update(object_key(cp.manifest, c.name) for c in cp.manifest.chunks)
+            anchors += 1
+            break  # one checkpoint per version is enough
         if m.kind == KEYFRAME:
             return m.version, Link.prev_of(m)
+        if anchors >= keep_checkpoints and m.version <= floor:
+            return 0, Link.prev_of(m)
         link = Link.base_of(m)
 
 
@@ -142,10 +178,9 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
         return report  # nothing committed: nothing is provably garbage
     keep: set[str] = set()
     files: set[str] = set()
-    head_keyframe, before_keyframe = _chain(store, Link.of_head(head), keep, files)
-    keep_dirs: set[int] = set()
     lease_keys = store.list("leases/")
     stale_leases: list[str] = []
+    live: list[Lease] = []
     for key in lease_keys:
         try:
             lease = read_lease(store, key)
@@ -162,8 +197,24 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
             if age > config.lease_expiry_factor * config.lease_ttl_s:
                 stale_leases.append(key)
             continue
+        live.append(lease)
+    # a live follower keeps the deltas after what it holds (it never needs a checkpoint)
+    floor = min((lease.version + 1 for lease in live if lease.version is not None and lease.version < head.version),
+                default=head.version)
+    checkpoint_keys = store.list(CHECKPOINT_PREFIX)
+    checkpoints: dict[int, list[CheckpointRef]] = {}
+    for ref in list_checkpoints(store, at_most=head.version, keys=checkpoint_keys):
+        checkpoints.setdefault(ref.version, []).append(ref)
+    head_keyframe, before_keyframe = _chain(store, Link.of_head(head), keep, files, checkpoints=checkpoints,
+                                            keep_checkpoints=config.keep_checkpoints, floor=floor)
+    lowest = min((int(m.group(1)) for k in keep if (m := _VERSION_KEY.fullmatch(k))), default=head.version)
+    for lease in live:
+        if lease.version is not None and lease.version + 1 >= lowest and lease.version < head.version:
+            report.protected_by_leases[lease.node_id] = (lease.version + 1, head.version)
+    keep_dirs: set[int] = set()
+    for lease in live:
         target = lease.target_version
-        if target is None or target > head.version or target >= head_keyframe:
+        if target is None or target > head.version or target >= lowest:
             continue  # it reaches HEAD through HEAD's chain, or is idle
         kf = _keyframe_of(store, target)  # the keyframe of the chain that target is on
         held = lease.version
@@ -182,10 +233,18 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
             continue
         if m and int(m.group(1)) > head.version:
             why = "above HEAD: an attempt that never committed"
-        elif m and int(m.group(1)) < head_keyframe:
-            why = f"behind HEAD's keyframe ({head_keyframe})"
+        elif m and int(m.group(1)) < lowest:
+            why = f"behind what joiners and live leases need (version {lowest} on)"
         else:
             why = "not named by HEAD's chain: a failed attempt's leftover"
+        _consider(store, key, why, t, config, report)
+    for key in checkpoint_keys:
+        if key in keep:
+            report.kept += 1
+            continue
+        v = checkpoint_version_of(key)
+        why = ("above HEAD: a checkpoint being written, or of a version that never committed"
+               if v is not None and v > head.version else "an older checkpoint, or one that does not reproduce its version")
         _consider(store, key, why, t, config, report)
     for key in store.list("files/"):
         if key.rsplit("/", 1)[-1] in files:
@@ -207,7 +266,7 @@ def gc(store: Store, *, config: RetentionConfig = RetentionConfig(), now: Callab
 
 
 def _is_manifest_key(key: str) -> bool:
-    m = _VERSION_KEY.fullmatch(key)
+    m = _VERSION_KEY.fullmatch(key) or _CHECKPOINT_OBJECT.fullmatch(key)
     return bool(m and is_manifest_name(m.group(2)))
 
 

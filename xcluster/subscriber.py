@@ -23,16 +23,18 @@ from pathlib import Path
 
 import torch
 
-from .chain import Link, LinkedManifest, find_link, poll_head, read_manifest, walk_links
+from .chain import Link, LinkedManifest, Plan, find_link, poll_head, read_manifest, walk_links
+from .checkpoint import LoadedCheckpoint, check_checkpoint, list_checkpoints, read_checkpoint
 from .codec.decode import Fill, Patch, Scatter, block_memory, decode_block, fill, patch
 from .digest import entry_digest, model_digest_from
 from .dtypes import dtype_name, np_bits, torch_dtype
-from .errors import (BaseMismatchError, ChainBrokenError, ChecksumMismatchError, ConfigError, DecodeError,
+from .errors import (BaseMismatchError, ChainBrokenError, CheckpointMismatchError, ChecksumMismatchError, ConfigError,
+                     DecodeError,
                      DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
                      RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
 from .fsutil import write_atomic
-from .format import (FILL_ENCODINGS, INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry, check_run_id, chunk_key,
-                     parse_manifest, xxh3_128)
+from .format import (FILL_ENCODINGS, FULL_KINDS, INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry,
+                     check_run_id, object_key, parse_manifest, xxh3_128)
 from .signing import load_verifier
 from .store import Store, resolve_store
 
@@ -61,7 +63,7 @@ class SubscriberConfig:
     max_plan_bytes: int = 256 << 20
     """Refuse a sync whose chain of manifests (from the target back to what is held, or to the
     keyframe) adds up to more than this many bytes, once read that far: it bounds the work of
-    planning. Publishers' ``keyframe_chain_fraction`` keeps legitimate chains far below it. A
+    planning. Publishers' ``checkpoint_chain_fraction`` keeps legitimate chains far below it. A
     refused chain is remembered: later syncs raise the same error without reading it again."""
     max_chain: int = MAX_CHAIN
     """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
@@ -143,6 +145,10 @@ class SubscriberStats:
     refetches: int = 0
     checksum_failures: int = 0
     versions_applied: int = 0
+    checkpoints_applied: int = 0
+    """Joins (or rejoins after falling behind retention) that started from a checkpoint."""
+    checkpoints_refused: int = 0
+    """Checkpoints skipped: unreadable, not the version they name, or failing their digests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,8 @@ class _Held:
     xxh3_128: str
     digests: dict[str, str] = field(default_factory=dict)
     data: bytes = b""
+    name: str | None = None
+    """The manifest object's name (``manifest-<id>.json.zst``) when known (not after a restore)."""
 
     @property
     def version(self) -> int:
@@ -181,6 +189,7 @@ class Subscriber:
         # links refused for what their manifest bytes say, while what is held stays the same
         self._refused: dict[tuple[int, str], XclusterError] = {}
         self._refused_for: tuple[int, str] | None = None
+        self._bad_checkpoints: set[str] = set()  # checkpoint keys that failed: never tried again
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -252,6 +261,22 @@ class Subscriber:
             self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
         return m.version
 
+    def write_checkpoint(self, store: Store | None = None, *, codec=None, upload_workers: int = 4):
+        """Write the verified weights held as a checkpoint of their version (FORMAT.md §3a) into
+        ``store`` (default: the store followed, e.g. the cluster-local copy a relay fills): nodes
+        that join there start from it without a byte across the WAN. Nobody has to trust this
+        node: a reader accepts the checkpoint only if it reproduces the version's signed manifest
+        and every tensor it decodes hashes to that manifest's digests. Returns the
+        :class:`~xcluster.checkpoint_writer.WrittenCheckpoint`, or None when nothing is held."""
+        from .checkpoint_writer import write_checkpoint
+
+        with self._sync_lock:  # no sync patches the weights while they are encoded
+            held = self._held
+            if held is None or held.name is None:  # restored: the name comes with the next version
+                return None
+            return write_checkpoint(store or self.store, self._state, held.manifest, held.name, held.xxh3_128,
+                                    codec=codec, upload_workers=upload_workers, clock=self._clock)
+
     # --- following ----------------------------------------------------------------------------
     def poll(self) -> Head | None:
         """The newest committed HEAD: one conditional GET, which costs no body when unchanged."""
@@ -288,13 +313,6 @@ class Subscriber:
                     f"{self.store.url}: HEAD names version {target.version} but version {self._floor} was already "
                     "applied here before a restart: the store was rolled back or replaced by an older copy; "
                     "this subscriber refuses to go backwards")
-            # a chain longer than max_chain is refused before any manifest is read
-            if (held is None or held.version < head.keyframe_version) and target.version == head.version \
-                    and head.version - head.keyframe_version + 1 > self.config.max_chain:
-                raise ChainBrokenError(
-                    f"{self.store.url}: HEAD {head.version} is {head.version - head.keyframe_version} deltas past "
-                    f"its keyframe, more than max_chain ({self.config.max_chain}) allows")
-
             def reaches_held(lm: LinkedManifest) -> bool:
                 m = lm.manifest
                 return (held is not None and m.base_version == held.version
@@ -324,18 +342,92 @@ class Subscriber:
                 self._check_trust(m, head, where=where)
                 self._check_limits(m, where)
 
-            plan = walk_links(self.store, target, stop=reaches_held, check=check,
-                              max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
-                              retries=cfg.integrity_retries, on_retry=count_retry)
-            links, first = plan.links, plan.oldest
-            del plan  # the oldest is dropped once applied, like the ones read again after it
+            walk = dict(check=check, max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
+                        retries=cfg.integrity_retries, on_retry=count_retry)
+            # A node that holds nothing starts from the newest checkpoint (when there is one); a
+            # node that follows walks back to what it holds and downloads deltas only, unless
+            # retention removed them (then from a checkpoint newer than what it holds).
+            while True:  # a checkpoint that fails to apply is set aside: plan again without it
+                plan, cp = self._plan(target, held, reaches_held, walk)
+                links, first = plan.links, plan.oldest
+                del plan  # the oldest is dropped once applied, like the ones read again after it
+                if cp is None:
+                    break
+                try:  # the checkpoint stands for the oldest link: applied in its place, labelled as it
+                    self._apply(cp.manifest, cp.xxh3_128, cp.data, head, where=f"{self.store.url}/{cp.key}",
+                                label=first)
+                except (IntegrityError, ChainBrokenError, FormatError, ResourceLimitError) as exc:
+                    log.warning("checkpoint %s/%s refused (%s: %s); trying without it", self.store.url, cp.key,
+                                type(exc).__name__, exc)
+                    self._bad_checkpoints.add(cp.key)
+                    self.stats.checkpoints_refused += 1
+                    continue
+                self.stats.checkpoints_applied += 1
+                links, first = links[1:], None
+                break
             for link in links:  # later ones read again, hash-checked: one parsed manifest held at a time
                 lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
                                                                    on_retry=count_retry)
                 first = None
-                self._apply(lm, head)
+                self._apply(lm.manifest, lm.link.xxh3_128, lm.data, head, where=f"{self.store.url}/{lm.link.key}",
+                            name=lm.link.manifest)
                 del lm
             return self.version
+
+    def _plan(self, target: Link, held: _Held | None, reaches_held: Callable[[LinkedManifest], bool],
+              walk: dict) -> tuple[Plan, LoadedCheckpoint | None]:
+        """What to apply: a node that holds nothing starts from the newest usable checkpoint (when
+        there is one); a node that follows walks back to what it holds and downloads deltas only,
+        unless they are gone (retention): then from a checkpoint newer than what it holds."""
+        if held is None:
+            plan, cp = self._checkpoint_plan(target, reaches_held, walk, 0)
+            if plan is not None:
+                return plan, cp
+        try:
+            return walk_links(self.store, target, stop=reaches_held, **walk), None
+        except ChainBrokenError as exc:
+            if held is None:
+                raise
+            plan, cp = self._checkpoint_plan(target, reaches_held, walk, held.version)
+            if plan is None:
+                raise
+            log.warning("%s; continuing from checkpoint %s", exc, cp.key if cp else "(none)")
+            return plan, cp
+
+    def _checkpoint_plan(self, target: Link, reaches_held: Callable[[LinkedManifest], bool], walk: dict,
+                         above: int) -> tuple[Plan | None, LoadedCheckpoint | None]:
+        """The plan from the newest usable checkpoint above version ``above`` up to ``target``:
+        HEAD's chain walked back to the checkpoint's version, whose committed manifest the
+        checkpoint must reproduce (checkpoint.py). ``(None, None)`` when no checkpoint serves;
+        ``(plan, None)`` when the walk met a keyframe or what is held first."""
+        for ref in list_checkpoints(self.store, at_most=target.version):
+            if ref.version <= above:
+                break
+            if ref.key in self._bad_checkpoints:
+                continue
+            where = f"{self.store.url}/{ref.key}"
+            try:
+                cp = read_checkpoint(self.store, ref)
+            except (FormatError, IntegrityError, ObjectNotFoundError) as exc:
+                log.warning("skipping checkpoint %s (%s): %s", where, type(exc).__name__, exc)
+                self._bad_checkpoints.add(ref.key)
+                self.stats.checkpoints_refused += 1
+                continue
+            v = ref.version
+            plan = walk_links(self.store, target, stop=lambda lm: reaches_held(lm) or lm.version == v, **walk)
+            oldest = plan.oldest
+            if oldest.version != v or oldest.manifest.kind == KEYFRAME:
+                return plan, None
+            try:
+                check_checkpoint(cp.manifest, oldest.manifest, oldest.link.xxh3_128, oldest.link.manifest, where=where)
+                self._check_limits(cp.manifest, where)
+            except (CheckpointMismatchError, ResourceLimitError) as exc:
+                log.warning("skipping checkpoint (%s): %s", type(exc).__name__, exc)
+                self._bad_checkpoints.add(ref.key)
+                self.stats.checkpoints_refused += 1
+                continue
+            return plan, cp
+        return None, None
 
     # --- trust ----------------------------------------------------------------------------------
     def _check_head(self, head: Head, held: _Held | None) -> None:
@@ -381,7 +473,7 @@ class Subscriber:
 
     def _fetch_chunk(self, m: Manifest, mhash: str, i: int) -> bytes:
         c = m.chunks[i]
-        key = chunk_key(m.version, c.name)
+        key = object_key(m, c.name)
         where = f"{self.store.url}/{key}"
         cached = self._cache_path(m, mhash, c.name)
         if cached is not None and cached.is_file() and cached.stat().st_size == c.size:
@@ -472,15 +564,16 @@ class Subscriber:
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
     # --- applying -----------------------------------------------------------------------------
-    def _apply(self, lm: LinkedManifest, head: Head) -> None:
+    def _apply(self, m: Manifest, mhash: str, data: bytes, head: Head, *, where: str,
+               label: LinkedManifest | None = None, name: str | None = None) -> None:
+        """Apply manifest ``m`` (a version's, or with ``label`` a checkpoint, which is held as the
+        version manifest ``label`` once it verified)."""
         t0 = time.perf_counter()
-        m, mhash = lm.manifest, lm.link.xxh3_128
-        where = f"{self.store.url}/{lm.link.key}"
         self._check_limits(m, where)
         fresh, chunks = self._stream_fresh(m, mhash, where)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
-            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, lm.data))
+            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
         chunks.clear()  # free the compressed bytes now
         fresh.clear()
         self.stats.versions_applied += 1
@@ -488,7 +581,8 @@ class Subscriber:
         t2 = time.perf_counter()
         ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
                             bytes_fetched=m.chunk_bytes, seconds=t2 - t0, fetch_seconds=t1 - t0,
-                            apply_seconds=t2 - t1, manifest_xxh3_128=mhash,
+                            apply_seconds=t2 - t1,
+                            manifest_xxh3_128=mhash if label is None else label.link.xxh3_128,
                             committed_unix_ms=head.committed_unix_ms if head.version == m.version else None)
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
         if self.on_apply is not None:
@@ -512,12 +606,13 @@ class Subscriber:
                                          f"max_block_bytes ({cfg.max_block_bytes})")
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
-                          where: str, data: bytes) -> None:
+                          where: str, data: bytes, label: LinkedManifest | None = None,
+                          name: str | None = None) -> None:
         """Patch ``m``'s ``-sub`` blocks onto what is held (its ``planes`` blocks already filled
         ``fresh``), verify, and swap; on any failure or interrupt every patch is undone, after
         every worker has stopped."""
         held = self._held
-        is_key = m.kind == KEYFRAME
+        is_key = m.kind in FULL_KINDS
         if not is_key and (held is None or m.base_version != held.version
                            or m.base_manifest_xxh3_128 != held.xxh3_128):
             raise BaseMismatchError(f"{where}: delta on version {m.base_version} ({m.base_model_digest}) but "
@@ -589,8 +684,10 @@ class Subscriber:
                     raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
                 # swap before anything else can be interrupted (the pool's shutdown below can be):
                 # one statement, no call in between, so weights and label move together
-                self._state, self._held = ({t.name: target[i] for i, t in enumerate(m.tensors)},
-                                           _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data))
+                held_as = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data, name) if label is None else \
+                    _Held(label.manifest, label.link.xxh3_128, {t.name: t.digest for t in m.tensors}, label.data,
+                          label.link.manifest)
+                self._state, self._held = {t.name: target[i] for i, t in enumerate(m.tensors)}, held_as
                 ok = True
             finally:
                 if not ok:  # every block has stopped (see _run_all): undo is not racing a patch

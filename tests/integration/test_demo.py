@@ -17,7 +17,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def short_demo(tmp_path: Path, **overrides) -> DemoConfig:
-    kw = dict(steps=6, keyframe_every=3, model="tiny", out=tmp_path / "out")
+    kw = dict(steps=6, checkpoint_every=3, model="tiny", out=tmp_path / "out")
     kw.update(overrides)
     return DemoConfig(**kw)
 
@@ -47,7 +47,7 @@ def test_demo_runs_the_whole_loop_and_the_engine_verifies_what_it_serves(tmp_pat
     assert sum(not r.skipped for r in report.rows) >= 2
     assert all(r.latency_seconds is not None and r.latency_seconds >= 0 for r in report.rows if not r.skipped)
     kinds = [r.kind for r in report.rows]
-    assert kinds[0] == "keyframe" and "delta" in kinds
+    assert kinds[0] == "keyframe" and set(kinds[1:]) == {"delta"}  # checkpoints are side objects, not versions
     deltas = [r for r in report.rows if r.kind == "delta"]
     assert all(0 < r.changed_elements < r.total_elements for r in deltas)
     assert all(r.bytes_shipped < r.model_bytes for r in deltas)
@@ -85,7 +85,7 @@ def test_a_single_flipped_bit_in_the_engine_fails_the_demo_with_a_cross(tmp_path
     # would still pass.
     parser = argparse.ArgumentParser(prog="xcluster")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["demo", "--steps", "4", "--keyframe-every", "3", "--model", "tiny",
+    args = parser.parse_args(["demo", "--steps", "4", "--checkpoint-every", "3", "--model", "tiny",
                               "--out", str(tmp_path / "out"), "--tamper-version", "2"])
     assert args.func(args) == 1
 
@@ -115,13 +115,14 @@ def test_demo_over_s3(tmp_path, moto_s3, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     url = f"s3://{moto_s3.bucket}/demo-{tmp_path.name}"
-    report = run_demo(short_demo(tmp_path, store=url, steps=3, keyframe_every=2, background=False),
+    report = run_demo(short_demo(tmp_path, store=url, steps=3, checkpoint_every=2, background=False),
                       echo=io.StringIO().write)
     assert report.ok, report.failures
-    assert [r.kind for r in report.rows] == ["keyframe", "delta", "keyframe"]
+    assert [r.kind for r in report.rows] == ["keyframe", "delta", "delta"]
     keys = [o["Key"] for o in moto_s3.client().list_objects_v2(
         Bucket=moto_s3.bucket, Prefix=f"demo-{tmp_path.name}/").get("Contents", [])]
     assert f"demo-{tmp_path.name}/HEAD" in keys
+    assert f"demo-{tmp_path.name}/checkpoints/{2:012d}/" in {k[:k.rindex("/") + 1] for k in keys}  # for joiners
     assert any(k.startswith(f"demo-{tmp_path.name}/files/") for k in keys)  # config + tokenizer travel
     assert any(k.startswith(f"demo-{tmp_path.name}/leases/demo-rollout") for k in keys)
 

@@ -46,7 +46,7 @@ def test_two_relays_carry_one_wan_copy_each_for_six_subscribers(tmp_path, seawee
     prefix = f"relay-{uuid.uuid4().hex[:8]}"
     url = f"s3://{BUCKET}/{prefix}"
     remote = S3Store.from_url(url, config=seaweedfs.config())
-    pub = Publisher(store=remote, config=PublisherConfig(keyframe_every=4, keyframe_chain_fraction=None))
+    pub = Publisher(store=remote, config=PublisherConfig(keyframe_every=4, checkpoint_chain_fraction=None))
     digests = {}
 
     def publish(step: int) -> None:

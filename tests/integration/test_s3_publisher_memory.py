@@ -25,7 +25,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_publisher_keeps_no_caller_weights_past_a_publish(s3_server):
-    pub = Publisher(store=s3_server.store(), config=PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None))
+    pub = Publisher(store=s3_server.store(), config=PublisherConfig(keyframe_every=100, checkpoint_chain_fraction=None))
     gc.collect()
     gc.disable()  # what reference counting alone frees: the bench's peak does not wait for the collector
     try:

@@ -258,7 +258,7 @@ def test_delta_on_another_base_is_refused_by_apply(env, tmp_path):
     lm = read_manifest(store, Link.of_head(h))
     assert lm.manifest.kind == "delta"
     with pytest.raises(BaseMismatchError):
-        stranger._apply(lm, h)
+        stranger._apply(lm.manifest, lm.link.xxh3_128, lm.data, h, where="test")
     assert stranger.version == 1
     assert_state_equal(stranger.state_dict(), weights(5))
 

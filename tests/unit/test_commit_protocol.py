@@ -119,7 +119,7 @@ def test_a_publish_costs_the_same_store_calls_whatever_the_store_holds(tmp_path)
             return wrapped
 
     store = LocalStore(tmp_path)
-    pub = Publisher(store=Counting(store), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None))
+    pub = Publisher(store=Counting(store), config=PublisherConfig(checkpoint_every=None))
     pub.publish(weights(0))
     per_publish = []
     for s in range(1, 40):
@@ -266,7 +266,9 @@ def test_keyframe_every_above_max_chain_is_refused_with_the_rule():
         PublisherConfig(keyframe_every=MAX_CHAIN + 1)
 
 
-def test_keyframe_when_the_chain_outweighs_a_fraction_of_the_keyframe(tmp_path):
+def test_a_checkpoint_when_the_deltas_outweigh_a_fraction_of_the_last_one_and_versions_stay_deltas(tmp_path):
+    from xcluster.checkpoint import list_checkpoints
+
     big = {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}
 
     def step(s: int) -> dict[str, torch.Tensor]:
@@ -274,21 +276,29 @@ def test_keyframe_when_the_chain_outweighs_a_fraction_of_the_keyframe(tmp_path):
         w.view(torch.int16).view(-1)[: 2000 * s] += 1  # a growing delta every step
         return {"w": w}
 
-    pub = Publisher(str(tmp_path), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=0.05))
+    store = LocalStore(tmp_path / "on")
+    pub = Publisher(store=store, config=PublisherConfig(checkpoint_every=1000, checkpoint_chain_fraction=0.05))
     results = [pub.publish(step(s)) for s in range(12)]
-    kinds = [r.kind for r in results]
-    assert kinds[0] == "keyframe" and "keyframe" in kinds[1:] and "delta" in kinds
-    # every keyframe after the first comes once the deltas since the last one exceed 5% of it
-    since, key_bytes = 0, results[0].bytes_written
+    assert [r.kind for r in results] == ["keyframe"] + ["delta"] * 11  # a follower never gets a full version
+    assert any(r.checkpoint_bytes for r in results)
+    # every checkpoint comes once the deltas since the last one (or the keyframe) exceed 5% of it
+    since, full_bytes = 0, results[0].bytes_written
     for r in results[1:]:
-        if r.kind == "keyframe":
-            assert since > 0.05 * key_bytes
-            since, key_bytes = 0, r.bytes_written
+        since += r.bytes_written
+        if r.checkpoint_bytes:
+            assert since > 0.05 * full_bytes
+            since, full_bytes = 0, r.checkpoint_bytes
         else:
-            assert since <= 0.05 * key_bytes
-            since += r.bytes_written
-    off = Publisher(str(tmp_path / "off"), config=PublisherConfig(keyframe_every=1000, keyframe_chain_fraction=None))
-    assert [off.publish(step(s)).kind for s in range(12)] == ["keyframe"] + ["delta"] * 11
+            assert since <= 0.05 * full_bytes
+    assert sorted(c.version for c in list_checkpoints(store)) == [r.version for r in results if r.checkpoint_bytes]
+    off = LocalStore(tmp_path / "off")
+    pub = Publisher(store=off, config=PublisherConfig(checkpoint_every=1000, checkpoint_chain_fraction=None))
+    assert [pub.publish(step(s)).checkpoint_bytes for s in range(12)] == [0] * 12
+    assert list_checkpoints(off) == []
+    every = LocalStore(tmp_path / "every")
+    pub = Publisher(store=every, config=PublisherConfig(checkpoint_every=4, checkpoint_chain_fraction=None))
+    assert [pub.publish(step(s)).kind for s in range(10)] == ["keyframe"] + ["delta"] * 9
+    assert [c.version for c in list_checkpoints(every)] == [9, 5]
 
 
 def test_files_travel_with_every_version_and_are_uploaded_only_when_they_change(tmp_path):

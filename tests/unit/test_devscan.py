@@ -175,7 +175,7 @@ def versions(dt: torch.dtype) -> list[dict[str, torch.Tensor]]:
 
 def publish_all(vs, *, device: str, scan: str, base_on: str = "device", keyframe_every: int = 4):
     store = memory_store()
-    cfg = PublisherConfig(keyframe_every=keyframe_every, keyframe_chain_fraction=None, base_on=base_on,
+    cfg = PublisherConfig(keyframe_every=keyframe_every, checkpoint_chain_fraction=None, base_on=base_on,
                           run_id="devscan",
                           codec=CodecConfig(scan=scan, **SMALL))
     pub = Publisher(store=store, config=cfg, clock=lambda: 1_700_000_000.0, attempt_id=lambda: "a0")
@@ -216,7 +216,7 @@ def test_publisher_switches_between_scans():
     vs = versions(torch.bfloat16)
     want, _, _ = publish_all(vs, device="cpu", scan="numpy", keyframe_every=100)
     store = memory_store()
-    pubs = {s: PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None, run_id="devscan",
+    pubs = {s: PublisherConfig(keyframe_every=100, checkpoint_chain_fraction=None, run_id="devscan",
                                codec=CodecConfig(scan=s, **SMALL))
             for s in ("numpy", "torch")}
     pub = Publisher(store=store, config=pubs["numpy"], clock=lambda: 1_700_000_000.0, attempt_id=lambda: "a0")
@@ -240,7 +240,7 @@ def test_a_failed_publish_leaves_the_base_as_committed(base_on):
     (of a different state) is still taken against the last committed version."""
     vs = versions(torch.bfloat16)
     store = FailingStore(memory_store(), "manifest")
-    cfg = PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None, base_on=base_on,
+    cfg = PublisherConfig(keyframe_every=100, checkpoint_chain_fraction=None, base_on=base_on,
                           codec=CodecConfig(scan="torch", **SMALL))
     pub = Publisher(store=store, config=cfg)
     sub = Subscriber(store=store.inner)

@@ -122,7 +122,8 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     ev = log["events"].append
     store = DyingStore(LocalStore(rootp / "store", fsync=False), after=0,
                        mode=scenario[:4] if scenario.startswith(("kill", "hang")) else "raise")
-    cfg = PublisherConfig(keyframe_every=10, keyframe_chain_fraction=None, upload_workers=2,
+    cfg = PublisherConfig(keyframe_every=10, checkpoint_chain_fraction=None, upload_workers=2,
+                          checkpoint_every=2 if scenario == "ckpt" else 32,
                           codec=CodecConfig(block_bytes=4096, chunk_bytes=4096, workers=1),
                           signing_key=str(GOLDEN_KEY) if scenario == "plain" else None)
     timeout = 3 if scenario.startswith("hang") else 20
@@ -158,6 +159,9 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
         elif scenario == "plain":
             for step in range(2):
                 publish(step)
+        elif scenario == "ckpt":
+            for step in range(4):
+                publish(step)
         elif scenario == "swap":  # the ranks trade their equal slices (and the whole tensors) at step 1
             publish(0)
             for step in (1, 2):  # swapped from now on
@@ -176,7 +180,7 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
                 ev({"lost": type(exc).__name__, "seconds": time.monotonic() - t0, "msg": str(exc)})
     finally:
         (rootp / f"rank{rank}.json").write_text(json.dumps(log))
-    if scenario in ("main", "plain", "swap"):
+    if scenario in ("main", "plain", "swap", "ckpt"):
         dist.destroy_process_group()
     os._exit(0)  # a survivor of a lost rank must not wait for the group at exit
 
@@ -251,6 +255,26 @@ def test_two_ranks_slices_deltas_failure_and_reshard(tmp_path):
         m = parse_manifest(manifest_bytes(store, v))
         assert {c.name.split("-")[1] for c in m.chunks} == {"r0", "r1"}
     assert m.kind == "keyframe" and len(m.chunks) > 2  # several chunks per rank, renumbered in one manifest
+
+
+def test_ranks_write_a_checkpoint_together_and_a_joiner_starts_from_it(tmp_path):
+    from xcluster.checkpoint import list_checkpoints, read_checkpoint
+
+    logs = run_ranks(tmp_path, 2, "ckpt")
+    assert all(lg is not None for lg in logs)
+    assert [(e["version"], e["kind"]) for e in logs[0]["events"]] == [
+        (1, "keyframe"), (2, "delta"), (3, "delta"), (4, "delta")]
+    store = LocalStore(tmp_path / "store")
+    refs = list_checkpoints(store)
+    assert [r.version for r in refs] == [3]
+    cp = read_checkpoint(store, refs[0]).manifest
+    assert {c.name.split("-")[1] for c in cp.chunks} == {"r0", "r1"}  # each rank encoded its own part
+    assert cp.tensors == tuple(t if t.init == "none" else t.__class__(t.name, t.dtype, t.shape, t.digest, "none",
+                                                                      t.parts)
+                               for t in parse_manifest(manifest_bytes(store, 3)).tensors)
+    joiner = Subscriber(store=store)
+    assert joiner.sync() == 4 and joiner.stats.checkpoints_applied == 1 and joiner.stats.versions_applied == 2
+    assert_state_equal(joiner.state_dict(), full_state(3))
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 def written() -> Written:
     store = memory_store()
     pub = Publisher(store=store, config=PublisherConfig(
-        keyframe_every=100, keyframe_chain_fraction=None,
+        keyframe_every=100, checkpoint_chain_fraction=None,
         codec=CodecConfig(block_bytes=4096, chunk_bytes=8192, dense_threshold=0.3)))
     pub.publish(_state(0))
     # sparse-exp2 even for a.bf16's 21 changes (writers try it from EXP_MIN_CHANGES on; a reader

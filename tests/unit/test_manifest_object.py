@@ -37,7 +37,7 @@ def weights(step: int) -> dict[str, torch.Tensor]:
 
 
 def publish(store, steps, **kw) -> list:
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=4, keyframe_chain_fraction=None, **kw))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=4, checkpoint_chain_fraction=None, **kw))
     return [pub.publish(weights(s), step=s) for s in steps]
 
 

@@ -27,7 +27,7 @@ def state(step: int) -> dict[str, torch.Tensor]:
 def chain_store(tmp_path_factory):
     """v1 keyframe, then deltas 2..7, every manifest about 400 KiB."""
     root = tmp_path_factory.mktemp("chain")
-    pub = Publisher(store=LocalStore(root, fsync=False), config=PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None))
+    pub = Publisher(store=LocalStore(root, fsync=False), config=PublisherConfig(keyframe_every=100, checkpoint_chain_fraction=None))
     for s in range(7):
         pub.publish(state(s), step=s)
     return root
@@ -69,7 +69,7 @@ def test_plan_over_max_plan_bytes_is_refused_early(chain_store):
 
 def test_refused_plan_is_remembered_until_head_moves(tmp_path):
     store = CountingStore(tmp_path / "s")
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100, keyframe_chain_fraction=None))
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100, checkpoint_chain_fraction=None))
     for s in range(7):
         pub.publish(state(s), step=s)
     size = manifest_size(store)

@@ -31,7 +31,7 @@ def weights(step: int) -> dict[str, torch.Tensor]:
 
 
 def publish(store, steps, **kw) -> Publisher:
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, keyframe_chain_fraction=None, **kw),
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=3, checkpoint_chain_fraction=None, **kw),
                     files={"config.json": b'{"model_type": "llama"}'})
     for s in steps:
         pub.publish(weights(s), step=s)

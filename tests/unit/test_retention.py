@@ -22,7 +22,7 @@ FAR = 4e9  # "now" far in the future (2096): every object is past its grace
 
 
 def publish(store, n, keyframe_every=3):
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=keyframe_every, keyframe_chain_fraction=None),
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=keyframe_every, checkpoint_chain_fraction=None),
                     files={"config.json": b"{}"})
     return pub, [pub.publish(weights(s)) for s in range(n)]
 
@@ -167,15 +167,23 @@ def test_fleet_status_and_cli(tmp_path):
     assert model_digest  # imported for symmetry with other tests
 
 
-def test_the_publisher_runs_retention_after_each_keyframe(tmp_path):
+def test_the_publisher_runs_retention_after_each_checkpoint_and_joiners_start_from_it(tmp_path):
     store = LocalStore(tmp_path)
     pub = Publisher(store=store, clock=lambda: FAR,
-                    config=PublisherConfig(keyframe_every=3, keyframe_chain_fraction=None,
-                                           gc_after_keyframe=RetentionConfig(grace_s=0)))
-    for s in range(7):  # keyframes 1, 4, 7
+                    config=PublisherConfig(checkpoint_every=3, checkpoint_chain_fraction=None,
+                                           gc_after_checkpoint=RetentionConfig(grace_s=0, keep_checkpoints=1)))
+    follower = Subscriber(store=store)
+    for s in range(7):  # keyframe 1, then deltas; checkpoints of 4 and 7
         pub.publish(weights(s))
+        follower.sync()
     assert sorted({k.split("/")[1] for k in store.list("versions/")}) == ["000000000007"]
-    assert Subscriber(store=store).sync() == 7
+    assert sorted({k.split("/")[1] for k in store.list("checkpoints/")}) == ["000000000007"]
+    joiner = Subscriber(store=store)
+    assert joiner.sync() == 7 and joiner.stats.checkpoints_applied == 1
+    pub.publish(weights(7))
+    assert follower.sync() == joiner.sync() == 8
+    assert follower.model_digest == joiner.model_digest
+    assert follower.stats.checkpoints_applied == 0 and joiner.stats.versions_applied == 2
 
 
 def test_a_lease_dated_in_the_future_protects_nothing(tmp_path):

@@ -151,7 +151,7 @@ def test_key_rotation_trusts_several_keys(tmp_path, keys):
 
 def test_rollback_to_an_old_validly_signed_head_is_refused(tmp_path, keys):
     store = LocalStore(tmp_path / "s")
-    pub = signed_pub(store, keys["a"], keyframe_chain_fraction=None)
+    pub = signed_pub(store, keys["a"], checkpoint_chain_fraction=None)
     pub.publish(weights(0))
     pub.publish(weights(1))
     old_head = store.get(HEAD_KEY).data  # version 2, validly signed
@@ -276,7 +276,7 @@ def test_malformed_signature_objects_are_format_errors(tmp_path, keys, sig, matc
 
 def test_a_restarted_daemon_that_cannot_restore_still_refuses_to_go_backwards(tmp_path, keys):
     store = LocalStore(tmp_path / "s")
-    pub = signed_pub(store, keys["a"], keyframe_chain_fraction=None)
+    pub = signed_pub(store, keys["a"], checkpoint_chain_fraction=None)
     pub.publish(weights(0))
     old_head = store.get(HEAD_KEY).data
     pub.publish(weights(1))

@@ -39,8 +39,8 @@ class DemoConfig:
     """Optimizer steps, one published version each."""
     lr: float = 1e-6
     """Adam learning rate."""
-    keyframe_every: int = 10
-    """Publisher keyframe interval; the default 10 makes 20 steps cross a keyframe."""
+    checkpoint_every: int = 10
+    """Publisher checkpoint interval; the default 10 makes 20 steps write a checkpoint (followers never download it)."""
     seed: int = 0
     """Seeds the model init, prompts, sampling and rewards."""
     out: Path = Path("demo-out")
@@ -70,8 +70,8 @@ class DemoConfig:
 
         if self.steps < 1:
             raise ConfigError(f"DemoConfig.steps must be ≥ 1, got {self.steps}")
-        if self.keyframe_every < 1:
-            raise ConfigError(f"DemoConfig.keyframe_every must be ≥ 1, got {self.keyframe_every}")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"DemoConfig.checkpoint_every must be ≥ 1, got {self.checkpoint_every}")
         if not self.lr > 0:
             raise ConfigError(f"DemoConfig.lr must be > 0, got {self.lr}")
         if self.model not in PRESETS:
@@ -172,7 +172,7 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     model = model.float().train()  # fp32 master weights; bf16 is what ships
     files = non_weight_files(tokenizer, hf_cfg)
     publisher = Publisher(url, files=files,
-                          config=PublisherConfig(keyframe_every=config.keyframe_every, background=config.background))
+                          config=PublisherConfig(checkpoint_every=config.checkpoint_every, background=config.background))
     first_version = publisher.version + 1
     node = RolloutNode(url, config.out, poll=config.poll, tamper_version=config.tamper_version)
     published = []
@@ -183,7 +183,7 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
         trainer = PolicyGradientTrainer(model, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed))
         n_params = sum(p.numel() for p in model.parameters())
         echo(f"xcluster demo: {n_params / 1e6:.1f}M-parameter Llama (fp32 master, bf16 shipped with config.json and "
-             f"tokenizer), {config.steps} steps of Adam lr {config.lr:g}, keyframe every {config.keyframe_every}, "
+             f"tokenizer), {config.steps} steps of Adam lr {config.lr:g}, checkpoint every {config.checkpoint_every}, "
              f"{'background' if config.background else 'synchronous'} publishing")
         echo(f"store: {url}")
         echo(f"rollout node: xcluster subscribe (pid {node.daemon.pid}) → {node.model_dir}/current → engine "
@@ -291,8 +291,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="optimizer steps (default %(default)s)")
     p.add_argument("--lr", type=float, default=d["lr"].default,
                    help="Adam learning rate (default %(default)g)")
-    p.add_argument("--keyframe-every", type=int, default=d["keyframe_every"].default,
-                   help="publisher keyframe interval (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"].default,
+                   help="publisher checkpoint interval (default %(default)s)")
     p.add_argument("--seed", type=int, default=d["seed"].default,
                    help="random seed (default %(default)s)")
     p.add_argument("--out", type=Path, default=d["out"].default,
@@ -312,7 +312,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
-        config = DemoConfig(steps=args.steps, lr=args.lr, keyframe_every=args.keyframe_every,
+        config = DemoConfig(steps=args.steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                             seed=args.seed, out=args.out, store=args.store, keep=args.keep,
                             model=args.model, threads=args.threads, background=not args.sync,
                             tamper_version=args.tamper_version)

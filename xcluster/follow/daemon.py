@@ -80,6 +80,12 @@ class DaemonConfig:
     """``$NOTIFY_SOCKET`` as systemd set it (the CLI passes it in)."""
     progress: bool = False
     """Show a progress bar for large fetches (the CLI turns it on when stderr is a terminal)."""
+    write_checkpoints_every: int | None = None
+    """Write a checkpoint of the version held into the store followed (FORMAT.md §3a) whenever that
+    store's newest checkpoint is this many versions or more behind it: on a cluster-local store
+    that a relay fills, joiners then start from a checkpoint that never crossed the WAN. Needs
+    write access to ``checkpoints/`` there; readers verify it against the signed chain, so they
+    need not trust this node. None: never."""
     warm_up: bool = True
     """Load the codec's compiled loops on a background thread as ``run()`` starts
     (``codec/warm.py``), so the first delta after a start does not wait about 0.9 s for them (not
@@ -92,6 +98,8 @@ class DaemonConfig:
             raise ConfigError(f"backoff_max_s ({self.backoff_max_s}) must be >= poll_s ({self.poll_s})")
         if self.lease_every_s < 0:
             raise ConfigError("lease_every_s must be >= 0")
+        if self.write_checkpoints_every is not None and self.write_checkpoints_every < 1:
+            raise ConfigError(f"write_checkpoints_every must be >= 1 or None, got {self.write_checkpoints_every}")
         check_node_id(self.node_id)
 
 
@@ -129,6 +137,7 @@ class Daemon:
         self._handoff_at = 0.0
         self._target: int | None = None
         self._follow_ok = True
+        self._checkpoint_checked: int | None = None
         self._stats_seen = (0, 0)
         self._last_applied: AppliedVersion | None = None
         self._bar = None  # (version, tqdm) while a large fetch shows progress
@@ -223,7 +232,31 @@ class Daemon:
         self._follow_ok = self._follow()
         handed = self._hand_over()
         self._write_lease()
+        self._maybe_checkpoint()
         return self._follow_ok and handed
+
+    def _maybe_checkpoint(self) -> None:
+        """With ``write_checkpoints_every``: once per version held, after the engine was served,
+        write a checkpoint of it if the store's newest is that many versions behind (one LIST)."""
+        every = self.config.write_checkpoints_every
+        held = self.subscriber.version
+        if every is None or held is None or held == self._checkpoint_checked:
+            return
+        self._checkpoint_checked = held
+        from ..checkpoint import newest_checkpoint_version
+
+        try:
+            newest = newest_checkpoint_version(self.store) or 0
+            if held - newest < every:
+                return
+            w = self.subscriber.write_checkpoint()
+            if w is not None:
+                self.metrics.checkpoints_written.inc()
+                log.info("wrote a checkpoint of version %d (%d bytes, %.2fs) into %s", w.version, w.bytes_written,
+                         w.seconds, self.store.url)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint serves joiners: never this node's weights
+            log.warning("could not write a checkpoint of version %d: %s", held, exc)
+            self._count_error(exc)
 
     def _follow(self) -> bool:
         ok = True

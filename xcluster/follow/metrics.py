@@ -95,6 +95,8 @@ class DaemonMetrics:
         self.errors = Counter("xcluster_errors", "Errors by exception class.", ["type"], registry=reg)
         self.versions_applied = Counter("xcluster_versions_applied", "Versions applied.", registry=reg)
         self.handoffs = Counter("xcluster_handoffs", "Successful hand-offs.", registry=reg)
+        self.checkpoints_written = Counter("xcluster_checkpoints_written",
+                                           "Checkpoints this node wrote into the store it follows.", registry=reg)
         self.info = Info("xcluster_daemon", "What this daemon follows and feeds.", registry=reg)
         self.engine_state = Enum("xcluster_engine_state", "State of the engine hand-off.", states=ENGINE_STATES,
                                  registry=reg)
