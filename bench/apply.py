@@ -45,7 +45,7 @@ def model(name: str) -> dict[str, torch.Tensor]:
 
 def best_apply(base, new, cfg, subscribers: int) -> float:
     store = open_store(f"memory://bench-apply-{uuid.uuid4().hex}")
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000, codec=cfg))
+    pub = Publisher(store=store, config=PublisherConfig(checkpoint_every=None, codec=cfg))
     pub.publish(base, step=0)
     subs = [Subscriber(store=store) for _ in range(subscribers)]
     for s in subs:

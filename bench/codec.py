@@ -110,7 +110,7 @@ def measure(old, new, *, repeat: int = 3, cfg: CodecConfig | None = None) -> dic
         best = min(best, time.perf_counter() - t0)
     url = f"memory://bench-{uuid.uuid4().hex}"
     store = open_store(url)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=1000, codec=cfg))
+    pub = Publisher(store=store, config=PublisherConfig(checkpoint_every=None, codec=cfg))
     subs = [Subscriber(store=store) for _ in range(repeat)]
     pub.publish(old, step=0)
     for sub in subs:
@@ -155,7 +155,7 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps):
     Returns the run's first delta, ``(step 0, step 1)``."""
     stores = {name: open_store(f"memory://bench-{uuid.uuid4().hex}") for name in ("v1", "v2")}
     pubs = {name: Publisher(store=stores[name],
-                            config=PublisherConfig(keyframe_every=1000, checkpoint_chain_fraction=None, codec=cfg))
+                            config=PublisherConfig(checkpoint_every=None, codec=cfg))
             for name, cfg in (("v1", V1), ("v2", V2))}
     print(f"Adam lr={lr:g}, {steps} steps, bf16 published after each step")
     print("| step | changed | v1 bits/ch | v2 bits/ch | slime bits/ch | v2/v1 | v2 plain manifest | v1 chunks only "

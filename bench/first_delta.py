@@ -36,7 +36,7 @@ APPLIED = re.compile(r"applied version 2 \(delta, (\d+) bytes\) in ([0-9.]+)s")
 def one_run(base, nxt, *, warm: bool, wait: float) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"file://{tmp}/store"
-        pub = Publisher(store=open_store(url), config=PublisherConfig(keyframe_every=1000))
+        pub = Publisher(store=open_store(url), config=PublisherConfig(checkpoint_every=None))
         pub.publish(base, step=0)
         cmd = [sys.executable, "-m", "xcluster.cli", "subscribe", url, "--out", f"{tmp}/out", "--lease-interval", "0",
                "--poll", "0.1"]

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps (0 = until interrupted)")
     ap.add_argument("--width", type=int, default=512, help="MLP width (4 layers: ~4·width² parameters)")
     ap.add_argument("--snapshot", choices=["device", "pinned"], default="device")
-    ap.add_argument("--keyframe-every", type=int, default=16)
+    ap.add_argument("--checkpoint-every", type=int, default=16)
     ap.add_argument("--close-timeout", type=float, default=60.0)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind normally: exit hooks run
@@ -39,7 +39,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(w, 4 * w), torch.nn.GELU(), torch.nn.Linear(4 * w, w),
                                 torch.nn.LayerNorm(w))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    config = PublisherConfig(background=True, snapshot=args.snapshot, keyframe_every=args.keyframe_every,
+    config = PublisherConfig(background=True, snapshot=args.snapshot, checkpoint_every=args.checkpoint_every,
                              close_timeout_s=args.close_timeout)
 
     def committed(res) -> None:  # runs in the worker thread

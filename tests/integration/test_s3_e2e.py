@@ -42,7 +42,7 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
         sub_store = s3_server.store(endpoint=proxy.endpoint, retry=retry, read_timeout_s=10)
         sub_store._prefix, sub_store.url = pub_store._prefix, pub_store.url  # same prefix
         pub = xcluster.Publisher(store=pub_store,
-                                 config=xcluster.PublisherConfig(keyframe_every=6))
+                                 config=xcluster.PublisherConfig(keyframe_every=6, checkpoint_every=4))
         # half-way the trainer restarts allowing only the core encodings (FORMAT.md §8): a planes
         # keyframe, then sparse-sub deltas, after full-exp and sparse-exp2 ones
         core = xcluster.PublisherConfig(keyframe_every=6, codec=xcluster.CodecConfig(encodings=CORE_ENCODINGS))
@@ -82,3 +82,6 @@ def test_publish_subscribe_over_s3_with_faults(s3_server):
                  for k in sorted(direct.list("versions/")) if "/manifest-" in k]
     assert {"full-exp", "sparse-exp2"} <= set().union(*encodings[:6])
     assert set().union(*encodings[6:]) <= set(CORE_ENCODINGS)
+    # the first publisher wrote checkpoints (of version 5 at least), in the layout FORMAT.md §3a gives
+    cps = [k for k in direct.list("checkpoints/") if "/manifest-" in k]
+    assert cps and all(json.loads(unpack(direct.get(k).data, where=k))["kind"] == "checkpoint" for k in cps)

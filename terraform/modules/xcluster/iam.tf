@@ -147,6 +147,17 @@ data "aws_iam_policy_document" "subscriber" {
     resources = [local.lease_objects_arn]
   }
 
+  # Cluster-local stores only: a subscriber run with --write-checkpoints writes checkpoints there
+  # (docs/FORMAT.md §3a). Readers verify them against the signed chain, so this grants no trust.
+  dynamic "statement" {
+    for_each = var.rollout_writes_checkpoints ? [1] : []
+    content {
+      sid       = "WriteCheckpoints"
+      actions   = ["s3:PutObject", "s3:PutObjectTagging", "s3:DeleteObject"]
+      resources = [local.checkpoint_objects_arn]
+    }
+  }
+
   dynamic "statement" {
     for_each = var.kms_key_arn == null ? [] : [var.kms_key_arn]
     content {

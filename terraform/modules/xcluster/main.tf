@@ -17,6 +17,7 @@ locals {
   # Object ARNs for the xcluster layout under the run prefix.
   run_objects_arn         = "${local.bucket_arn}/${var.prefix}/*"
   lease_objects_arn       = "${local.bucket_arn}/${var.prefix}/leases/*"
+  checkpoint_objects_arn  = "${local.bucket_arn}/${var.prefix}/checkpoints/*"
   replica_run_objects_arn = "${local.replica_bucket_arn}/${var.prefix}/*"
 
   # s3:prefix values a lister of the run may send (xcluster lists "<prefix>/..." sub-prefixes).

@@ -183,6 +183,12 @@ variable "cross_account_reader_arns" {
   }
 }
 
+variable "rollout_writes_checkpoints" {
+  description = "Let the rollout role also write <prefix>/checkpoints/ (a cluster-local store whose subscribers run with --write-checkpoints, so joiners there start from a checkpoint that never crossed the WAN). Readers verify checkpoints against the signed chain."
+  type        = bool
+  default     = false
+}
+
 variable "cross_account_reader_access" {
   description = "How cross_account_reader_arns get access: \"assume_role\" (trusted by the subscriber role), \"bucket_policy\" (granted directly in the bucket policy) or \"both\"."
   type        = string
