@@ -122,7 +122,7 @@ def test_demo_over_s3(tmp_path, moto_s3, monkeypatch):
     keys = [o["Key"] for o in moto_s3.client().list_objects_v2(
         Bucket=moto_s3.bucket, Prefix=f"demo-{tmp_path.name}/").get("Contents", [])]
     assert f"demo-{tmp_path.name}/HEAD" in keys
-    assert f"demo-{tmp_path.name}/checkpoints/{2:012d}/" in {k[:k.rindex("/") + 1] for k in keys}  # for joiners
+    assert f"demo-{tmp_path.name}/checkpoints/{3:012d}/" in {k[:k.rindex("/") + 1] for k in keys}  # for joiners
     assert any(k.startswith(f"demo-{tmp_path.name}/files/") for k in keys)  # config + tokenizer travel
     assert any(k.startswith(f"demo-{tmp_path.name}/leases/demo-rollout") for k in keys)
 

@@ -24,7 +24,7 @@ def test_trainer_and_rollout_processes(tmp_path):
         stdout=subprocess.PIPE, text=True)
     trainer = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "trainer_hook.py"), "--store", store, "--steps", str(steps),
-         "--keyframe-every", "5"], capture_output=True, text=True, timeout=180, check=True)
+         "--checkpoint-every", "5"], capture_output=True, text=True, timeout=180, check=True)
     out, _ = follower.communicate(timeout=180)
     assert follower.returncode == 0
     published = [json.loads(line) for line in trainer.stdout.splitlines()]
