@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from codec import V1, V2, at_density, make_master  # noqa: E402
 
-from xcluster.publisher import Publisher, PublisherConfig  # noqa: E402
+from xcluster.write.publisher import Publisher, PublisherConfig  # noqa: E402
 from xcluster.store import open_store  # noqa: E402
-from xcluster.subscriber import Subscriber  # noqa: E402
+from xcluster.read.subscriber import Subscriber  # noqa: E402
 
 
 def model(name: str) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ def measure_figures(scale: float, densities: list[float]) -> dict:
             if name == "bf16" and abs(d - 0.01) < 1e-9:
                 out["encode_mbps"], out["apply_mbps"] = m["encode_mbps"], m["apply_mbps"]
         from xcluster.codec.encode import CodecConfig, encode_version
-        from xcluster.digest import tensor_digest
+        from xcluster.codec.digest import tensor_digest
 
         sizes = []
         encode_version(base, {n: tensor_digest(t) for n, t in base.items()}, None, CodecConfig(),

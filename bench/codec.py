@@ -38,9 +38,9 @@ from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
 from xcluster.format import CORE_ENCODINGS
 from xcluster.codec.decode import Fill, decode_block, fill
 from xcluster.codec.encode import encode_version
-from xcluster.digest import tensor_digest
-from xcluster.dtypes import flat_bits
-from xcluster.manifest_object import unpack
+from xcluster.codec.digest import tensor_digest
+from xcluster.codec.dtypes import flat_bits
+from xcluster.format.packing import unpack
 from xcluster.store import open_store
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from codec import at_density, make_master  # noqa: E402
 
-from xcluster.publisher import Publisher, PublisherConfig  # noqa: E402
+from xcluster.write.publisher import Publisher, PublisherConfig  # noqa: E402
 from xcluster.store import open_store  # noqa: E402
 
 APPLIED = re.compile(r"applied version 2 \(delta, (\d+) bytes\) in ([0-9.]+)s")

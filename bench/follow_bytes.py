@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from xcluster import Publisher, PublisherConfig, Subscriber  # noqa: E402
-from xcluster.relay import Relay, RelayConfig  # noqa: E402
+from xcluster.fleet.relay import Relay, RelayConfig  # noqa: E402
 from xcluster.store import LocalStore  # noqa: E402
 
 
@@ -82,7 +82,7 @@ def run(config: PublisherConfig, *, versions: int, elements: int, density: float
         relay.step()
         local.sync()
         if local_checkpoints is not None:  # what `xcluster subscribe --write-checkpoints N` does in the cluster
-            from xcluster.checkpoint import newest_checkpoint_version
+            from xcluster.read.checkpoint import newest_checkpoint_version
             if local.version - (newest_checkpoint_version(dst) or 0) >= local_checkpoints:
                 local.write_checkpoint()
     assert follower.model_digest == local.model_digest == r.model_digest

@@ -82,8 +82,8 @@ def child(args: argparse.Namespace) -> None:
 
 
 def _s3(url: str):
-    from xcluster.store.s3 import S3Store
-    from xcluster.store.s3config import S3Config
+    from xcluster.store.s3.store import S3Store
+    from xcluster.store.s3.config import S3Config
 
     return S3Store.from_url(url, config=S3Config(endpoint_url=os.environ["BENCH_S3_ENDPOINT"], region="us-east-1",
                                                  addressing_style="path"))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xcluster.codec import exprank  # noqa: E402
 from xcluster.codec.expgroup import group_ranks  # noqa: E402
-from xcluster.dtypes import np_bits  # noqa: E402
+from xcluster.codec.dtypes import np_bits  # noqa: E402
 
 DENSITIES = (0.001, 0.01, 0.03, 0.05, 0.1)
 SHIFT, MASK = np.uint16(7), np.uint16(0xFF)  # bf16's exponent field

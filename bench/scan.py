@@ -25,7 +25,7 @@ import time
 import torch
 
 from xcluster.codec.encode import CodecConfig, scan_version
-from xcluster.dtypes import flat_bits
+from xcluster.codec.dtypes import flat_bits
 
 DENSITIES = (0.003, 0.01, 0.03)
 

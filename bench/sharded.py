@@ -4,7 +4,7 @@
 
 A synthetic bf16 model of ``--mib`` MiB (eight 2-D tensors) is split in dim-0 slices across
 the ranks (gloo process group on 127.0.0.1, one process per rank, a local-directory store).
-Each rank publishes only its slices with :class:`xcluster.distributed.ShardedPublisher`: one
+Each rank publishes only its slices with :class:`xcluster.write.sharded.ShardedPublisher`: one
 keyframe, then ``--deltas`` deltas in which ~1% of the elements move by one ulp (an RL step).
 Rows: per version kind, the slowest rank's ``publish()`` wall time (median over the deltas),
 and the chunk bytes each rank uploaded (rank 0 adds the manifest and HEAD). Every rank encodes
@@ -50,7 +50,7 @@ def _rank(rank: int, world: int, root: str, port: int, mib: float, deltas: int) 
     import torch.distributed as dist
 
     from xcluster import CodecConfig, PublisherConfig
-    from xcluster.distributed import ShardedConfig, ShardedPublisher, Slice
+    from xcluster.write.sharded import ShardedConfig, ShardedPublisher, Slice
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

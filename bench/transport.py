@@ -64,7 +64,7 @@ def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 # --- one transfer, in its own process -------------------------------------------------------------
 def op_main(args: argparse.Namespace) -> None:
-    from xcluster.store.s3 import S3Config, S3Store
+    from xcluster.store.s3.store import S3Config, S3Store
 
     store = S3Store.from_url(f"s3://{BUCKET}/xc", config=S3Config(addressing_style="path"))
     if args.op == "put":

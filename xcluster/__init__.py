@@ -7,15 +7,15 @@ Public names are imported lazily (module ``__getattr__``), so the torch-free par
 from importlib import import_module
 
 _EXPORTS = {
-    "AppliedVersion": ".subscriber", "Subscriber": ".subscriber", "SubscriberConfig": ".subscriber",
-    "Snapshot": ".subscriber",
-    "Publisher": ".publisher", "PublisherConfig": ".publisher", "PublishResult": ".publisher",
-    "PublishTicket": ".background", "BackgroundStats": ".background",
-    "ShardedPublisher": ".distributed", "ShardedConfig": ".distributed", "ShardedPublishResult": ".distributed",
-    "Slice": ".distributed",
+    "AppliedVersion": ".read.subscriber", "Subscriber": ".read.subscriber", "SubscriberConfig": ".read.subscriber",
+    "Snapshot": ".read.subscriber",
+    "Publisher": ".write.publisher", "PublisherConfig": ".write.publisher", "PublishResult": ".write.publisher",
+    "PublishTicket": ".write.background", "BackgroundStats": ".write.background",
+    "ShardedPublisher": ".write.sharded", "ShardedConfig": ".write.sharded", "ShardedPublishResult": ".write.sharded",
+    "Slice": ".write.sharded",
     "BackgroundPublishError": ".errors",
     "CodecConfig": ".codec.encode",
-    "model_digest": ".digest", "tensor_digest": ".digest",
+    "model_digest": ".codec.digest", "tensor_digest": ".codec.digest",
     "XclusterError": ".errors",
     "open_store": ".store",
 }

@@ -21,10 +21,10 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .chain import Link, read_head, read_manifest
+    from .read.chain import Link, read_head, read_manifest
     from .errors import ChainBrokenError
     from .format import is_manifest_name, manifest_key, parse_manifest
-    from .manifest_object import unpack
+    from .format.packing import unpack
     from .store import open_store
 
     store = open_store(args.url)
@@ -77,7 +77,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .subscriber import Subscriber, SubscriberConfig
+    from .read.subscriber import Subscriber, SubscriberConfig
 
     def report(ev) -> None:
         print(f"  version {ev.version:>6} {ev.kind:<9} {_human(ev.bytes_fetched):>11}  digest {ev.model_digest} ✓")
@@ -101,7 +101,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from .signing import generate_keypair
+    from .trust.signing import generate_keypair
 
     priv, pub, kid = generate_keypair(args.path)
     print(f"key {kid}\n  private (the trainer's; keep it secret): {priv}\n  public (give to subscribers: --trust): {pub}")
@@ -117,7 +117,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     from .follow.logs import setup_logging
     from .follow.metrics import DaemonMetrics
     from .follow.modeldir import ModelDirConfig
-    from .subscriber import SubscriberConfig
+    from .read.subscriber import SubscriberConfig
 
     setup_logging(args.log_format, args.log_level)
     if args.exec_cmd and args.engine == "none":
@@ -203,10 +203,10 @@ def _add_subscribe(sub) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from .status import fleet_status
+    from .fleet.status import fleet_status
     from .store import open_store
 
-    from .retention import RetentionConfig
+    from .fleet.retention import RetentionConfig
 
     fs = fleet_status(open_store(args.url), lease_ttl_s=_or_default(args.lease_ttl, RetentionConfig, "lease_ttl_s"))
     if args.json:
@@ -237,7 +237,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .retention import RetentionConfig, gc
+    from .fleet.retention import RetentionConfig, gc
     from .store import open_store
 
     report = gc(open_store(args.url), config=RetentionConfig(**_given(lease_ttl_s=args.lease_ttl, grace_s=args.grace)),
@@ -254,8 +254,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_relay(args: argparse.Namespace) -> int:
     from .follow.logs import setup_logging
-    from .relay import Relay, RelayConfig, default_relay_id
-    from .retention import RetentionConfig
+    from .fleet.relay import Relay, RelayConfig, default_relay_id
+    from .fleet.retention import RetentionConfig
 
     setup_logging(args.log_format, args.log_level)
     from .store import open_store
@@ -265,7 +265,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     def side(url: str, profile: str | None, endpoint: str | None):
         if profile is None and endpoint is None:
             return open_store(url)
-        from .store.s3config import S3Config
+        from .store.s3.config import S3Config
 
         return open_store(url, s3=S3Config(profile=profile, endpoint_url=endpoint))
 

@@ -31,7 +31,7 @@ class S3Server:
         return parts.hostname, parts.port
 
     def config(self, *, endpoint: str | None = None, **overrides):
-        from xcluster.store.s3config import MiB, S3Config
+        from xcluster.store.s3.config import MiB, S3Config
 
         kw = dict(endpoint_url=endpoint or self.endpoint, profile=self.profile, region="us-east-1",
                   addressing_style="path", part_size=5 * MiB, multipart_threshold=5 * MiB,
@@ -40,7 +40,7 @@ class S3Server:
         return S3Config(**kw)
 
     def store(self, *, endpoint: str | None = None, sleep=None, **overrides):
-        from xcluster.store.s3 import S3Store
+        from xcluster.store.s3.store import S3Store
 
         extra = {"sleep": sleep} if sleep is not None else {}
         return S3Store.from_url(f"s3://{self.bucket}/t-{uuid.uuid4().hex[:12]}",

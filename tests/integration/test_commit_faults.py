@@ -27,9 +27,9 @@ import torch
 
 from tests.support.faultproxy import HOLD, FaultProxy
 from xcluster import Publisher, PublisherConfig, Subscriber
-from xcluster.chain import read_head
+from xcluster.read.chain import read_head
 from xcluster.errors import ConcurrentPublisherError, XclusterError
-from xcluster.retry import RetryPolicy
+from xcluster.util.retry import RetryPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -193,7 +193,7 @@ def _capture(errors: list, fn, *args) -> None:
 
 
 def _committed_hash(store) -> str:
-    from xcluster.chain import Link, read_manifest
+    from xcluster.read.chain import Link, read_manifest
 
     head, _ = read_head(store)
     return read_manifest(store, Link.of_head(head)).link.xxh3_128

@@ -63,7 +63,7 @@ def test_demo_runs_the_whole_loop_and_the_engine_verifies_what_it_serves(tmp_pat
 
     # the rollout node's current directory is a complete HF model directory transformers loads,
     # holding exactly the trainer's last weights
-    from xcluster.digest import model_digest
+    from xcluster.codec.digest import model_digest
 
     assert report.final_dir is not None
     files = {p.name for p in report.final_dir.iterdir()}
@@ -132,7 +132,7 @@ def test_training_is_seeded_and_ships_bf16():
 
     from xcluster.demo.hfmodel import PRESETS, build_model
     from xcluster.demo.train import PolicyGradientTrainer, TrainConfig, bf16_state_dict
-    from xcluster.digest import model_digest
+    from xcluster.codec.digest import model_digest
 
     def train(seed: int) -> dict:
         model, _ = build_model(PRESETS["tiny"], seed=seed)

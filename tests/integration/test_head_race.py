@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber
-from xcluster.chain import read_head
+from xcluster.read.chain import read_head
 from xcluster.errors import ConcurrentPublisherError
-from xcluster.publisher import PublishResult
+from xcluster.write.publisher import PublishResult
 from tests.unit.helpers import assert_state_equal
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber
-from xcluster.store.s3 import S3Store
+from xcluster.store.s3.store import S3Store
 from tests.integration.test_daemon import subprocess_env, wait_for
 from tests.support.faultproxy import FaultProxy
 from tests.support.seaweed import start_seaweedfs

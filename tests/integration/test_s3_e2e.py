@@ -10,11 +10,11 @@ import torch
 
 import xcluster
 from tests.support.faultproxy import KINDS, FaultProxy
-from xcluster.digest import model_digest
+from xcluster.codec.digest import model_digest
 from xcluster.format import CORE_ENCODINGS
-from xcluster.manifest_object import unpack
-from xcluster.retry import RetryPolicy
-from xcluster.store.s3config import MiB
+from xcluster.format.packing import unpack
+from xcluster.util.retry import RetryPolicy
+from xcluster.store.s3.config import MiB
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from tests.store_conformance import StoreConformance
 from tests.support.faultproxy import KINDS, FaultProxy
 from xcluster.errors import (ConditionalWritesUnsupportedError, ObjectNotFoundError,
                              PreconditionFailedError, RetriesExhaustedError, StoreError)
-from xcluster.retry import RetryPolicy
-from xcluster.store.s3config import MiB
+from xcluster.util.retry import RetryPolicy
+from xcluster.store.s3.config import MiB
 
 pytestmark = pytest.mark.integration
 

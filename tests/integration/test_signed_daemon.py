@@ -12,8 +12,8 @@ import pytest
 
 from xcluster import Publisher, PublisherConfig
 from xcluster.format import HEAD_KEY
-from xcluster.signing import generate_keypair
-from xcluster.store.s3 import S3Store
+from xcluster.trust.signing import generate_keypair
+from xcluster.store.s3.store import S3Store
 from tests.integration.test_daemon import check_current, read_lease, subprocess_env, wait_for, weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -135,7 +135,7 @@ class Truth:
 
 # --- the trainer process ------------------------------------------------------------------------------
 def _next_step(store) -> int:
-    from xcluster.chain import Link, read_head, read_manifest
+    from xcluster.read.chain import Link, read_head, read_manifest
 
     head, _ = read_head(store)
     if head is None:
@@ -336,11 +336,11 @@ class _Proc:
 
     def following(self) -> bool:
         """Has the daemon started since the last start (its signal handlers are installed before
-        its loop logs anything from ``xcluster.daemon`` or ``xcluster.subscriber``)?"""
+        its loop logs anything from ``xcluster.daemon`` or ``xcluster.read.subscriber``)?"""
         with open(self.logpath, "rb") as f:
             f.seek(self.log_mark)
             tail = f.read()
-        return b'"logger": "xcluster.daemon"' in tail or b'"logger": "xcluster.subscriber"' in tail
+        return b'"logger": "xcluster.daemon"' in tail or b'"logger": "xcluster.read.subscriber"' in tail
 
     @property
     def alive(self) -> bool:
@@ -448,7 +448,7 @@ class Soak:
 
     def _direct_store(self, endpoint: str):
         """The referee's own view of the bucket: straight to SeaweedFS, no proxy."""
-        from xcluster.store.s3 import S3Store
+        from xcluster.store.s3.store import S3Store
 
         return S3Store.from_url(self.url, client=_client(endpoint))
 
@@ -576,7 +576,7 @@ class Soak:
             self.journal[rec["version"]] = rec
 
     def _watch_head(self) -> None:
-        from xcluster.chain import read_head
+        from xcluster.read.chain import read_head
 
         try:
             head, _ = read_head(self.direct)
@@ -698,7 +698,7 @@ class Soak:
 
     # --- the end ----------------------------------------------------------------------------------
     def _converge(self) -> None:
-        from xcluster.chain import Link, read_head, read_manifest
+        from xcluster.read.chain import Link, read_head, read_manifest
 
         cfg = self.cfg
         self._read_journal()

@@ -30,7 +30,7 @@ def assert_state_equal(got: dict, want: dict) -> None:
 def mkey(store, version: int) -> str:
     """The key of the committed manifest of ``version`` (named by HEAD's chain; manifests have
     per-attempt names)."""
-    from xcluster.chain import find_link, read_head
+    from xcluster.read.chain import find_link, read_head
 
     head, _ = read_head(store)
     return find_link(store, head, version).key
@@ -46,7 +46,7 @@ def bf16_weights(n: int, seed: int = 0, scale: float = 0.02):
 
 def manifest_bytes(store, version: int) -> bytes:
     """The canonical JSON of the committed manifest of ``version`` (stored as one zstd frame)."""
-    from xcluster.manifest_object import unpack
+    from xcluster.format.packing import unpack
 
     key = mkey(store, version)
     return unpack(store.get(key).data, where=key)
@@ -54,7 +54,7 @@ def manifest_bytes(store, version: int) -> bytes:
 
 def put_manifest(store, key: str, canonical: bytes) -> None:
     """Store ``canonical`` (a manifest's JSON, edited or not) at ``key`` as writers store manifests."""
-    from xcluster.manifest_object import pack
+    from xcluster.format.packing import pack
 
     store.put(key, pack(canonical))
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from xcluster import BackgroundPublishError, Publisher, PublisherConfig, PublishTicket, Subscriber
-from xcluster.background import take_snapshot
+from xcluster.write.background import take_snapshot
 from xcluster.errors import (ConfigError, PublishCancelledError, PublisherClosedError, PublishTimeoutError,
                              StoreError)
-from xcluster.chain import find_link, read_head, read_manifest
+from xcluster.read.chain import find_link, read_head, read_manifest
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 

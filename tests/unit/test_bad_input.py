@@ -245,7 +245,7 @@ def test_wrong_base_version_reloads_from_the_keyframe(env, tmp_path):
 
 def test_delta_on_another_base_is_refused_by_apply(env, tmp_path):
     """The apply step itself refuses a delta whose base link is not what is held."""
-    from xcluster.chain import Link, read_manifest
+    from xcluster.read.chain import Link, read_manifest
 
     store, pub, sub = env
     other = LocalStore(tmp_path / "other")
@@ -360,7 +360,7 @@ def test_failing_block_after_applied_blocks_is_fully_undone(tmp_path, workers):
         sub.sync()
     assert sub.version == 1
     assert_state_equal(sub.state_dict(), {"w": w0})
-    from xcluster.digest import model_digest
+    from xcluster.codec.digest import model_digest
     assert model_digest(sub.state_dict()) == sub.model_digest
 
 
@@ -397,7 +397,7 @@ def test_hostile_bool_bytes_are_refused(env):
     # a writer with bucket access rewrites v5's flags patch to turn byte 0 from 1 into 2, with
     # digests that agree: only the bool rule can catch it
     import numpy as np
-    from xcluster.digest import model_digest_from, tensor_digest
+    from xcluster.codec.digest import model_digest_from, tensor_digest
     m = json.loads(manifest_bytes(store, 5))
     fi = [t["name"] for t in m["tensors"]].index("flags")
     blk = next(b for b in m["blocks"] if any(s[0] == fi for s in b["segments"]))

@@ -25,13 +25,13 @@ import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig
 from xcluster.format import CORE_ENCODINGS
-from xcluster.chain import find_link, read_head
+from xcluster.read.chain import find_link, read_head
 from xcluster.errors import (BaseMismatchError, ChainBrokenError, DecodeError,
                              DecompressionBombError, DigestMismatchError, FormatError, LegacyFormatError,
                              SchemaVersionError, UnknownEncodingError,
                              UnsafeNameError, XclusterError)
 from xcluster.format import HEAD_KEY, MAX_MANIFEST_BYTES, MAX_VERSION, chunk_key, version_dir, xxh3_128
-from xcluster.manifest_object import pack, unpack
+from xcluster.format.packing import pack, unpack
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal, follow_blocks, memory_store
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber
-from xcluster.chain import find_link, read_head
+from xcluster.read.chain import find_link, read_head
 from xcluster.cli import main
 from xcluster.errors import ChainBrokenError, ChecksumMismatchError, FormatError
 from xcluster.format import parse_manifest, version_dir
 from xcluster.store import LocalStore
-from xcluster.manifest_object import unpack
+from xcluster.format.packing import unpack
 from tests.unit.helpers import assert_state_equal, manifest_bytes, mkey
 from tests.unit.test_bad_input import rewrite_manifest, weights
 

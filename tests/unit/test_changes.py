@@ -4,7 +4,7 @@ import pytest
 from xcluster.codec import changes
 from xcluster.codec.changes import (SCAN_ELEMENTS, find_changes, gaps_of, join_planes, sparse_sub_pieces, split_planes,
                                      unzigzag, zigzag_diff)
-from xcluster.dtypes import UINT
+from xcluster.codec.dtypes import UINT
 
 
 @pytest.mark.parametrize("numpy", [False, True], ids=["compiled", "numpy"])

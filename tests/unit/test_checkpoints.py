@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
-from xcluster.chain import Link, read_head, read_manifest
-from xcluster.checkpoint import list_checkpoints, read_checkpoint
+from xcluster.read.chain import Link, read_head, read_manifest
+from xcluster.read.checkpoint import list_checkpoints, read_checkpoint
 from xcluster.errors import ChainBrokenError, FormatError
 from xcluster.format import CHECKPOINT_PREFIX, Lease, chunk_key, lease_key, parse_manifest
-from xcluster.manifest_object import pack, unpack
-from xcluster.relay import Relay, RelayConfig
-from xcluster.retention import RetentionConfig, gc
-from xcluster.signing import generate_keypair
+from xcluster.format.packing import pack, unpack
+from xcluster.fleet.relay import Relay, RelayConfig
+from xcluster.fleet.retention import RetentionConfig, gc
+from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal, manifest_bytes
 
@@ -148,13 +148,13 @@ def test_a_bad_checkpoint_is_skipped_by_name_and_the_joiner_uses_the_one_before(
 
 def _name(store, v):
     head, _ = read_head(store)
-    from xcluster.chain import find_link
+    from xcluster.read.chain import find_link
     return find_link(store, head, v).manifest
 
 
 def _hash(store, v):
     head, _ = read_head(store)
-    from xcluster.chain import find_link
+    from xcluster.read.chain import find_link
     return find_link(store, head, v).xxh3_128
 
 

@@ -11,7 +11,7 @@ from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.errors import ConcurrentPublisherError, StoreError
 from xcluster.format import HEAD_KEY, parse_head, parse_manifest
 from xcluster.store import LocalStore
-from xcluster.manifest_object import unpack
+from xcluster.format.packing import unpack
 from tests.unit.helpers import assert_state_equal, manifest_bytes, mkey, put_manifest
 
 
@@ -267,7 +267,7 @@ def test_keyframe_every_above_max_chain_is_refused_with_the_rule():
 
 
 def test_a_checkpoint_when_the_deltas_outweigh_a_fraction_of_the_last_one_and_versions_stay_deltas(tmp_path):
-    from xcluster.checkpoint import list_checkpoints
+    from xcluster.read.checkpoint import list_checkpoints
 
     big = {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}
 
@@ -302,7 +302,7 @@ def test_a_checkpoint_when_the_deltas_outweigh_a_fraction_of_the_last_one_and_ve
 
 
 def test_files_travel_with_every_version_and_are_uploaded_only_when_they_change(tmp_path):
-    from xcluster.chain import Link, read_head, read_manifest
+    from xcluster.read.chain import Link, read_head, read_manifest
     from xcluster.format import file_key, xxh3_128
 
     store = LocalStore(tmp_path / "s")

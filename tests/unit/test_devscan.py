@@ -17,7 +17,7 @@ from xcluster.codec import scan_torch
 from xcluster.codec.changes import zigzag_diff
 from xcluster.codec.expgroup import EXP_FIELDS
 from xcluster.codec.encode import encode_version
-from xcluster.dtypes import UINT, dtype_name, np_bits
+from xcluster.codec.dtypes import UINT, dtype_name, np_bits
 from xcluster.errors import ConfigError, StoreError
 from tests.unit.helpers import assert_state_equal, memory_store
 from tests.unit.test_commit_protocol import FailingStore

@@ -55,7 +55,7 @@ def bounds(rows: int, world: int, skew: int) -> list[int]:
 
 
 def shard_of(state: dict[str, torch.Tensor], rank: int, world: int, *, skew: int = 0) -> dict:
-    from xcluster.distributed import Slice
+    from xcluster.write.sharded import Slice
 
     out: dict = {}
     for name, (rows, _) in ROWS.items():
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, root: str, scenario: str) -> None:
     import torch.distributed as dist
 
     from xcluster import CodecConfig, PublisherConfig
-    from xcluster.distributed import ShardedConfig, ShardedPublisher
+    from xcluster.write.sharded import ShardedConfig, ShardedPublisher
     from xcluster.errors import RankLostError, ShardedPublishError, ShardLayoutError
 
     torch.set_num_threads(1)
@@ -258,7 +258,7 @@ def test_two_ranks_slices_deltas_failure_and_reshard(tmp_path):
 
 
 def test_ranks_write_a_checkpoint_together_and_a_joiner_starts_from_it(tmp_path):
-    from xcluster.checkpoint import list_checkpoints, read_checkpoint
+    from xcluster.read.checkpoint import list_checkpoints, read_checkpoint
 
     logs = run_ranks(tmp_path, 2, "ckpt")
     assert all(lg is not None for lg in logs)
@@ -327,7 +327,7 @@ def test_rank_lost_mid_upload_nothing_visible_survivor_raises(tmp_path, scenario
 
 
 def test_needs_an_initialised_process_group(tmp_path):
-    from xcluster.distributed import ShardedPublisher
+    from xcluster.write.sharded import ShardedPublisher
 
     with pytest.raises(ConfigError, match="init_process_group"):
         ShardedPublisher(str(tmp_path))
@@ -342,14 +342,14 @@ def test_needs_an_initialised_process_group(tmp_path):
     ([[["e", "float32", [0, 3], 0, 0]], [["e", "float32", [0, 4], 0, 0]]], "disagree"),
 ])
 def test_layout_must_tile_every_tensor(layouts, problem):
-    from xcluster.distributed import _check_layout
+    from xcluster.write.sharded import _check_layout
 
     with pytest.raises(ShardLayoutError, match=re.escape(problem)):
         _check_layout(layouts)
 
 
 def test_layout_of_slices_and_whole_tensors():
-    from xcluster.distributed import Slice, _check_layout, _prepare
+    from xcluster.write.sharded import Slice, _check_layout, _prepare
 
     w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     t0, rows0 = _prepare({"w": Slice(w[:1], offset=0, global_shape=(4, 3)), "b": torch.zeros(2)})

@@ -35,9 +35,9 @@ def test_publisher_refuses_a_file_name_the_model_directory_refuses_before_upload
 
 
 def test_publisher_refuses_files_over_the_total_limit(tmp_path, monkeypatch):
-    import xcluster.files
+    import xcluster.write.files
 
-    monkeypatch.setattr(xcluster.files, "MAX_FILES_TOTAL_BYTES", 100)
+    monkeypatch.setattr(xcluster.write.files, "MAX_FILES_TOTAL_BYTES", 100)
     store = LocalStore(tmp_path / "store")
     with pytest.raises(ConfigError, match="add up to 120 bytes, over the 100-byte limit"):
         Publisher(store=store, files={f"f{i}.json": b"x" * 40 for i in range(3)})

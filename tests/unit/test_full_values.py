@@ -17,7 +17,7 @@ from xcluster.codec import encode as encode_mod
 from xcluster.codec import fullexp
 from xcluster.codec.decode import Fill, decode_block
 from xcluster.codec.encode import encode_version
-from xcluster.dtypes import flat_bits, torch_dtype
+from xcluster.codec.dtypes import flat_bits, torch_dtype
 from xcluster.errors import DecodeError, DecompressionBombError, FormatError, UnknownEncodingError
 from xcluster.format import CORE_ENCODINGS, FULL_EXP, PLANES
 from tests.unit.helpers import assert_state_equal, manifest_bytes, memory_store
@@ -94,7 +94,7 @@ def test_old_readers_and_bad_manifests_are_refused(encoding):
     data = manifest_bytes(store, 1)
     obj = json.loads(data)
     assert obj["encodings"] == [FULL_EXP, PLANES]
-    with mock.patch.object(fmt, "ENCODINGS", CORE_ENCODINGS):  # a reader without the encoding
+    with mock.patch.object(fmt.manifest, "ENCODINGS", CORE_ENCODINGS):  # a reader without the encoding
         with pytest.raises(UnknownEncodingError, match=f"uses encoding '{encoding}'"):
             fmt.parse_manifest(data)
     with pytest.raises(FormatError, match=f"encoding '{encoding}' is not one the manifest's 'encodings' lists"):

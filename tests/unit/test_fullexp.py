@@ -196,7 +196,7 @@ def _frame(data: bytes, **kw) -> bytes:
 @pytest.mark.parametrize("checksum", [False, True])
 def test_stream_reader_takes_what_decompress_gives(data, checksum):
     frame = _frame(data, write_checksum=checksum)
-    from xcluster.zframe import frame_length
+    from xcluster.format.zframe import frame_length
 
     assert frame_length(frame + b"tail", where="t") == len(frame)
     whole = streams.decompress("zstd", frame, len(data), where="t")

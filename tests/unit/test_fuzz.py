@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig
 from xcluster.codec import encode
-from xcluster.chain import find_link, read_head
+from xcluster.read.chain import find_link, read_head
 from xcluster.codec.decode import Fill, decode_block, fill, patch
-from xcluster.dtypes import torch_dtype
+from xcluster.codec.dtypes import torch_dtype
 from xcluster.errors import DecodeError, XclusterError
 from xcluster.format import (DENSE_SUB, HEAD_KEY, PLANES, SPARSE_EXP2, SPARSE_SUB, Lease, chunk_key, expected_raw_lengths,
                              parse_head, parse_lease, parse_manifest, xxh3_128)
-from xcluster.manifest_object import unpack
+from xcluster.format.packing import unpack
 from tests.unit.helpers import memory_store
 
 MiB = 1 << 20

@@ -14,7 +14,7 @@ import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig, model_digest
 from xcluster.errors import LegacyFormatError
-from xcluster.manifest_object import unpack
+from xcluster.format.packing import unpack
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xcluster import heap
+from xcluster.util import heap
 
 MiB = 1 << 20
 

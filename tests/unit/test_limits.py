@@ -92,7 +92,7 @@ def sparse_store(tmp_path, n: int, every: int, config: SubscriberConfig | None =
 
     from xcluster import Publisher, PublisherConfig
     from xcluster.codec import streams
-    from xcluster.digest import model_digest, tensor_digest
+    from xcluster.codec.digest import model_digest, tensor_digest
     from xcluster.store import LocalStore
     from tests.unit.test_bad_input import rewrite_manifest as rewrite
 

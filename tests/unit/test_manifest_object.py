@@ -11,15 +11,16 @@ import pytest
 import torch
 import zstandard
 
-from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig, manifest_object
+from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
+from xcluster.format import packing as manifest_object
 from xcluster.cli import main
 from xcluster.errors import (ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
                              SchemaVersionError)
 from xcluster.format import HEAD_KEY, Head, parse_head, parse_manifest, xxh3_128
-from xcluster.manifest_object import pack, unpack
-from xcluster.relay import Relay, RelayConfig
-from xcluster.retention import RetentionConfig, gc
-from xcluster.signing import generate_keypair
+from xcluster.format.packing import pack, unpack
+from xcluster.fleet.relay import Relay, RelayConfig
+from xcluster.fleet.retention import RetentionConfig, gc
+from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, model_digest
-from xcluster.digest import combine_part_digests, entry_digest, model_digest_from, tensor_digest
+from xcluster.codec.digest import combine_part_digests, entry_digest, model_digest_from, tensor_digest
 from xcluster.errors import DigestMismatchError, FormatError, SchemaVersionError
 from xcluster.format import parse_manifest
 from xcluster.store import LocalStore

@@ -14,8 +14,8 @@ from xcluster.errors import (ChecksumMismatchError, ConcurrentPublisherError, Co
                              ResourceLimitError,
                              RollbackError, RunMismatchError, SignatureError)
 from xcluster.format import HEAD_KEY, lease_key, parse_head, parse_lease
-from xcluster.relay import Relay, RelayConfig
-from xcluster.signing import generate_keypair
+from xcluster.fleet.relay import Relay, RelayConfig
+from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 
@@ -189,7 +189,7 @@ def test_cli_relay_once_and_torch_free(tmp_path, capsys):
     assert main(["relay", str(tmp_path / "src"), str(tmp_path / "dst"), "--once", "--lease-interval", "0"]) == 0
     assert "relay stopped at version 2" in capsys.readouterr().err
     assert Subscriber(str(tmp_path / "dst")).sync() == 2
-    code = ("import sys, xcluster.relay, xcluster.cli; "
+    code = ("import sys, xcluster.fleet.relay, xcluster.cli; "
             "xcluster.cli.main(['relay', sys.argv[1], sys.argv[2], '--once', '--lease-interval', '0']); "
             "assert 'torch' not in sys.modules, 'the relay imported torch'")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "dst2")], check=True,

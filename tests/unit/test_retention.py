@@ -12,8 +12,8 @@ import torch
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.format import Lease, file_key, lease_key
-from xcluster.retention import RetentionConfig, gc
-from xcluster.status import fleet_status
+from xcluster.fleet.retention import RetentionConfig, gc
+from xcluster.fleet.status import fleet_status
 from xcluster.store import LocalStore
 from tests.unit.helpers import assert_state_equal
 from tests.unit.test_commit_protocol import weights

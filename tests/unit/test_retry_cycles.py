@@ -14,7 +14,7 @@ import weakref
 import pytest
 
 from xcluster.errors import ObjectNotFoundError, RetriesExhaustedError, TransientStoreError
-from xcluster.retry import RetryPolicy, call_with_retries, retrying
+from xcluster.util.retry import RetryPolicy, call_with_retries, retrying
 
 NO_WAIT = RetryPolicy(attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, jitter_s=0.0)
 

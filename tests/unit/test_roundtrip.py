@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.codec import encode
 from xcluster.codec.changes import unzigzag
-from xcluster.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
+from xcluster.codec.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
 from xcluster.format import CORE_ENCODINGS, SPARSE_EXP2, SPARSE_SUB
 from tests.unit.helpers import assert_state_equal, memory_store
 
@@ -367,7 +367,7 @@ def test_a_reader_without_an_encoding_refuses_it_by_name_and_keeps_serving():
     Publisher(store=store).publish({"w": w2})  # a new publisher: a keyframe, full-exp by default
     fetched = []
     real_get_range = store.get_range
-    with mock.patch.object(fmt, "ENCODINGS", CORE_ENCODINGS), \
+    with mock.patch.object(fmt.manifest, "ENCODINGS", CORE_ENCODINGS), \
             mock.patch.object(store, "get_range", lambda k, *a: fetched.append(k) or real_get_range(k, *a)):
         with pytest.raises(UnknownEncodingError, match="uses encoding 'full-exp'.*upgrade xcluster"):
             sub.sync()

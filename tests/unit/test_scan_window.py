@@ -11,7 +11,7 @@ import torch
 
 from xcluster import CodecConfig
 from xcluster.codec import encode
-from xcluster.digest import tensor_digest
+from xcluster.codec.digest import tensor_digest
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

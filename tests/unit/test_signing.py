@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, Subscriber, SubscriberConfig
-from xcluster.chain import read_head
+from xcluster.read.chain import read_head
 from xcluster.cli import main
 from xcluster.errors import (ConfigError, FormatError, RollbackError, RunMismatchError,
                              SignatureError, StaleHeadError)
 from xcluster.follow.daemon import Daemon, DaemonConfig
 from xcluster.format import HEAD_KEY, canonical_json, parse_head, parse_manifest
-from xcluster.signing import Signer, Verifier, generate_keypair
+from xcluster.trust.signing import Signer, Verifier, generate_keypair
 from xcluster.store import LocalStore
-from xcluster.manifest_object import pack, unpack
+from xcluster.format.packing import pack, unpack
 from tests.unit.helpers import assert_state_equal, manifest_bytes
 
 
@@ -310,8 +310,8 @@ def test_a_nan_in_head_is_a_format_error_for_every_reader(tmp_path, keys, consta
     """Review 2, item 9: JSON's NaN/Infinity (which Python's json accepts) in a signed HEAD made the
     signed payload's re-encoding raise a bare ValueError in every daemon, relay and gc, no key
     needed. Now every reader refuses it as a FormatError and keeps serving."""
-    from xcluster.relay import Relay, RelayConfig
-    from xcluster.retention import RetentionConfig, gc
+    from xcluster.fleet.relay import Relay, RelayConfig
+    from xcluster.fleet.retention import RetentionConfig, gc
 
     store = LocalStore(tmp_path / "s")
     pub = signed_pub(store, keys["a"])

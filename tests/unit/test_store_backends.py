@@ -48,7 +48,7 @@ def test_s3_url_with_empty_or_dot_segment_is_refused(url):
     """SeaweedFS stores ``runs//exp/HEAD`` as ``runs/exp/HEAD`` while LIST filters on the verbatim
     prefix: ``xcluster ls`` would show nothing while publish and sync work. Refused up front."""
     from xcluster.errors import ConfigError
-    from xcluster.store.s3 import S3Store
+    from xcluster.store.s3.store import S3Store
 
     with pytest.raises(ConfigError, match="empty or '.'") as ei:
         S3Store.from_url(url, client=object())
@@ -59,7 +59,7 @@ def test_s3_url_with_empty_or_dot_segment_is_refused(url):
 
 def test_s3_prefix_refused_by_the_constructor_too():
     from xcluster.errors import ConfigError
-    from xcluster.store.s3 import S3Store
+    from xcluster.store.s3.store import S3Store
 
     with pytest.raises(ConfigError, match="runs//exp"):
         S3Store("bucket", "runs//exp", client=object())

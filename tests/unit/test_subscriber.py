@@ -126,7 +126,7 @@ def test_snapshot_pairs_weights_with_their_version_while_sync_runs(tmp_path):
 def test_interrupt_during_apply_leaves_the_old_weights(tmp_path, monkeypatch):
     """KeyboardInterrupt in the syncing thread while decode workers still patch: the undo waits
     for every worker, so the weights are exactly the old version's."""
-    import xcluster.subscriber as subm
+    import xcluster.read.subscriber as subm
 
     store = LocalStore(tmp_path)
     pub = Publisher(store=store, config=PublisherConfig(
@@ -177,7 +177,7 @@ def test_restore_resumes_after_the_restored_version(tmp_path):
     first = Subscriber(store=store)
     first.sync()
     snap = first.snapshot()
-    from xcluster.chain import Link, read_manifest, read_head
+    from xcluster.read.chain import Link, read_manifest, read_head
     head, _ = read_head(store)
     mdata = read_manifest(store, Link.of_head(head)).data
     pub.publish(weights(2))
@@ -260,7 +260,7 @@ def test_tensors_are_hashed_as_their_last_block_lands_and_one_split_over_many_bl
     """A tensor is hashed by the worker that patches its last block, while the others still decode
     (so the hashing overlaps decoding); one spread over sixteen blocks is hashed once all sixteen
     are applied, whichever worker applies which."""
-    import xcluster.subscriber as sub_mod
+    import xcluster.read.subscriber as sub_mod
     from xcluster.codec.encode import CodecConfig
 
     g = torch.Generator().manual_seed(0)

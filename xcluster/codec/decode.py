@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..dtypes import UINT, np_bits, np_bytes
+from .dtypes import UINT, np_bits, np_bytes
 from ..errors import DecodeError
 from ..format import DENSE_SUB, FULL_EXP, GAP_WIDTH, PLANES, SPARSE_EXP2, SPARSE_SUB, BlockEntry, TensorEntry
 from . import expgroup, fullexp, streams

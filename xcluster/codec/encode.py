@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..dtypes import UINT, dtype_name, flat_bits, np_bits
+from .dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
 from ..format import (CORE_ENCODINGS, DENSE_SUB, ENCODINGS, FULL_DTYPES, FULL_EXP, INIT_BASE, INIT_NONE, PLANES,
                       SPARSE_EXP2, SPARSE_SUB, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..dtypes import UINT, flat_bits
+from .dtypes import UINT, flat_bits
 from .changes import join_planes, split_planes
 from .expgroup import EXP_FIELDS
 

@@ -15,7 +15,7 @@ import numpy as np
 import zstandard
 
 from ..errors import DecodeError, DecompressionBombError
-from ..zframe import frame_length, frame_size, inflate, inflate_error
+from ..format.zframe import frame_length, frame_size, inflate, inflate_error
 
 ZSTD = "zstd"
 RAW = "raw"

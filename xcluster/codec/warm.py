@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..dtypes import UINT, flat_bits, np_bits
+from .dtypes import UINT, flat_bits, np_bits
 from . import exprank, fullexp, scatter
 from .changes import find_changes, unzigzag, zigzag_diff
 from .decode import Fill, Scatter, decode_block, patch

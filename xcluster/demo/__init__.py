@@ -156,7 +156,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = 
 def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
 
     from .. import Publisher, PublisherConfig
-    from ..digest import model_digest
+    from ..codec.digest import model_digest
     from .hfmodel import PRESETS, build_model, non_weight_files
     from .report import StepRow, format_summary, format_table, plot_bytes, summarize
     from .rollout import RolloutNode

@@ -46,7 +46,7 @@ class _Engine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..digest import model_digest
+        from ..codec.digest import model_digest
 
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

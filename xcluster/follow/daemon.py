@@ -33,9 +33,9 @@ from pathlib import Path
 from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
                       StoreError, XclusterError)
 from ..format import Lease, Manifest, check_node_id, file_key, lease_key, parse_manifest, xxh3_128
-from ..retry import Backoff
+from ..util.retry import Backoff
 from ..store import Store, resolve_store
-from ..subscriber import AppliedVersion, Subscriber, SubscriberConfig
+from ..read.subscriber import AppliedVersion, Subscriber, SubscriberConfig
 from .handoff import Handoff, HandoffResult
 from .metrics import DaemonMetrics
 from .modeldir import ModelDir, ModelDirConfig
@@ -243,7 +243,7 @@ class Daemon:
         if every is None or held is None or held == self._checkpoint_checked:
             return
         self._checkpoint_checked = held
-        from ..checkpoint import newest_checkpoint_version
+        from ..read.checkpoint import newest_checkpoint_version
 
         try:
             newest = newest_checkpoint_version(self.store) or 0

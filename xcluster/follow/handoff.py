@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 import tenacity
 
 from ..errors import ConfigError, HandoffError, TransientHandoffError
-from ..retry import call_with_retries
+from ..util.retry import call_with_retries
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

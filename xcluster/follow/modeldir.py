@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..fsutil import fsync_path, write_synced
+from ..util.fsutil import fsync_path, write_synced
 from ..errors import ConfigError, ModelDirError, UnsafeNameError
 from ..format import check_file_name
 

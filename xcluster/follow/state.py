@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..errors import StateFileError
-from ..fsutil import write_atomic
+from ..util.fsutil import write_atomic
 from ..format import xxh3_128
 
 STATE_FORMAT = "xcluster-daemon-state"

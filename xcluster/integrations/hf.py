@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..publisher import Publisher, PublisherConfig
+from ..write.publisher import Publisher, PublisherConfig
 
 
 class XclusterCallback(TrainerCallback):

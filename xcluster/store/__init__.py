@@ -14,7 +14,7 @@ from .base import Blob, Stat, Store, check_key
 from .local import LocalStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .s3 import S3Config
+    from .s3.store import S3Config
 
 __all__ = ["Blob", "Stat", "Store", "check_key", "LocalStore", "open_store", "resolve_store"]
 
@@ -41,7 +41,7 @@ def open_store(url: str | Any, *, s3: "S3Config | None" = None) -> Store:
         return LocalStore(url[len("file://"):])
     if scheme in ("s3", "s3a"):
         try:
-            from .s3 import S3Store
+            from .s3.store import S3Store
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnsupportedURLError(
                 f"{url}: the S3 backend needs boto3: pip install 'xcluster[s3]' ({exc})") from exc

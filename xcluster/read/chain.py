@@ -1,0 +1,250 @@
+"""The read path, torch-free: HEAD, manifests (bounded and hash-checked) and the chain between them.
+
+Everything that reads a store's versions — the subscriber, ``xcluster ls/verify/status/gc``, a
+relay — goes through these functions, so a manifest is read one way: at most
+``MAX_MANIFEST_BYTES + 1`` bytes, unpacked (one zstd frame, manifest_object.py), its hash
+checked against the link that named it (HEAD or the successor's ``base_manifest_xxh3_128``) before
+it is parsed, its version checked against its key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import (ChainBrokenError, ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
+                     ObjectNotFoundError, ResourceLimitError, RunMismatchError, SignatureError, XclusterError)
+from ..format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
+                     parse_manifest, xxh3_128)
+from ..format.packing import unpack
+from ..store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """How a version is named from its successor (or HEAD): number, manifest object, hash."""
+
+    version: int
+    manifest: str
+    xxh3_128: str
+
+    @property
+    def key(self) -> str:
+        return manifest_key(self.version, self.manifest)
+
+    @classmethod
+    def of_head(cls, head: Head) -> Link:
+        return cls(head.version, head.manifest, head.manifest_xxh3_128)
+
+    @classmethod
+    def prev_of(cls, m: Manifest) -> Link | None:
+        """The link to version − 1's committed manifest: ``prev_manifest`` (keyframes too), else
+        a delta's base link; None for version 1 and for a keyframe written without the field."""
+        if m.prev_manifest is not None:
+            p = m.prev_manifest
+            return cls(p.version, p.manifest, p.xxh3_128)
+        return cls.base_of(m) if m.kind != KEYFRAME else None
+
+    @classmethod
+    def base_of(cls, m: Manifest) -> Link:
+        """The link a delta holds to its base."""
+        assert m.base_version is not None and m.base_manifest is not None and m.base_manifest_xxh3_128 is not None
+        return cls(m.base_version, m.base_manifest, m.base_manifest_xxh3_128)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkedManifest:
+    """A manifest read through a link: parsed, with the hash and name it was verified under."""
+
+    manifest: Manifest
+    link: Link
+    data: bytes
+    """The canonical JSON (what the link's hash covers)."""
+    stored: bytes
+    """The object's bytes as stored (the zstd frame of ``data``)."""
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+def read_head(store: Store) -> tuple[Head | None, str | None]:
+    """HEAD and its etag; ``(None, None)`` on an empty prefix."""
+    try:
+        blob = store.get(HEAD_KEY)
+    except ObjectNotFoundError:
+        return None, None
+    assert blob is not None
+    return parse_head(blob.data, where=f"{store.url}/{HEAD_KEY}"), blob.etag
+
+
+def poll_head(store: Store, etag: str | None) -> tuple[Head | None, str | None] | None:
+    """One conditional GET of HEAD: ``None`` when it still has ``etag`` (nothing new), else
+    ``(head, etag)`` — ``(None, None)`` when the prefix is empty."""
+    try:
+        blob = store.get(HEAD_KEY, if_none_match=etag)
+    except ObjectNotFoundError:
+        return None, None
+    if blob is None:
+        return None
+    return parse_head(blob.data, where=f"{store.url}/{HEAD_KEY}"), blob.etag
+
+
+def read_manifest(store: Store, link: Link, *, retries: int = 2,
+                  on_retry: Callable[[str], None] | None = None) -> LinkedManifest:
+    """Read and verify the manifest ``link`` names. A hash mismatch is re-read up to ``retries``
+    times (corruption in transit), then raises :class:`ChecksumMismatchError`; a missing object
+    raises :class:`ChainBrokenError`."""
+    key = link.key
+    where = f"{store.url}/{key}"
+    problem = ""
+    for attempt in range(retries + 1):
+        try:  # bounded read: a hostile object cannot make us allocate more than the limit
+            stored = store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
+        except ObjectNotFoundError:
+            raise ChainBrokenError(f"{where} is missing: the chain to HEAD is broken "
+                                   "(retention removed it?); the next keyframe repairs this") from None
+        try:
+            data = unpack(stored, where=where)
+        except DecompressionBombError:
+            raise
+        except DecodeError as exc:  # a packed manifest garbled in transit: like a hash mismatch, re-read
+            problem = f"does not unpack ({exc})"
+        else:
+            got = xxh3_128(data)
+            if got == link.xxh3_128:
+                break
+            problem = f"hashes to {got}"
+        msg = f"{where} {problem}, expected {link.xxh3_128} (attempt {attempt + 1} of {retries + 1})"
+        log.warning(msg)
+        if on_retry is not None:
+            on_retry(msg)
+    else:
+        raise ChecksumMismatchError(f"{where} {problem}, its successor says {link.xxh3_128}: "
+                                    "the manifest is corrupt or was replaced")
+    m = parse_manifest(data, where=where)
+    if m.version != link.version:
+        raise FormatError(f"{where} says it is version {m.version}")
+    return LinkedManifest(m, link, data, stored)
+
+
+def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
+              max_chain: int = MAX_CHAIN, retries: int = 2,
+              on_retry: Callable[[str], None] | None = None) -> list[LinkedManifest]:
+    """Manifests from ``link`` back to the newest keyframe at or below it, or to the first one
+    for which ``stop`` is true (that one included), **oldest first**. Refuses a chain longer
+    than ``max_chain`` before reading past it, and one whose deltas disagree with their bases on
+    ``keyframe_version`` (:class:`ChainBrokenError`)."""
+    chain: list[LinkedManifest] = []
+    cur = link
+    while True:
+        if len(chain) >= max_chain:
+            raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
+                                   f"{link.version} and a keyframe (max_chain)")
+        lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+        if chain and lm.manifest.keyframe_version != chain[-1].manifest.keyframe_version:
+            raise ChainBrokenError(
+                f"{store.url}/{chain[-1].link.key}: keyframe_version {chain[-1].manifest.keyframe_version} differs "
+                f"from its base's ({lm.link.key}: {lm.manifest.keyframe_version}): one of them lies")
+        chain.append(lm)
+        if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
+            break
+        cur = Link.base_of(lm.manifest)
+    chain.reverse()
+    return chain
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The links from a base (excluded) up to a target, oldest first, and the manifest of the
+    oldest, read last while walking: it is applied first, so it is used as read (no second GET)."""
+
+    links: list[Link]
+    oldest: LinkedManifest
+
+
+def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
+               check: Callable[[LinkedManifest], None] | None = None, max_chain: int = MAX_CHAIN,
+               max_bytes: int | None = None, refused: dict[tuple[int, str], XclusterError] | None = None,
+               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> Plan:
+    """Like :func:`walk_back`, but holding one parsed manifest at a time: returns the links,
+    oldest first, and the parsed manifest of only the oldest (the last one read, and the first
+    the caller applies); the caller reads each later one again, hash-checked, when it uses it.
+    Catching up one version (the usual case) therefore reads its manifest once.
+
+    ``check`` runs on every manifest (a reader's own limits). ``max_bytes`` bounds the manifest
+    bytes read (:class:`ResourceLimitError` beyond). ``refused`` remembers, by (version, manifest
+    hash), what was refused for what the bytes say (format, limits, budget): meeting such a link
+    again raises the same error without reading anything. A budget overflow is remembered under
+    ``link``: a walk from a newer version that reaches it would read a superset."""
+    links: list[Link] = []
+    cur = link
+    total = 0
+    newer: tuple[str, int] | None = None  # (key, keyframe_version) of the manifest read before
+    while True:
+        if refused is not None and (known := refused.get((cur.version, cur.xxh3_128))) is not None:
+            raise type(known)(str(known))
+        if len(links) >= max_chain:
+            raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
+                                   f"{link.version} and a keyframe (max_chain)")
+        try:
+            lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+            total += len(lm.data)
+            if max_bytes is not None and total > max_bytes:
+                err = ResourceLimitError(
+                    f"{store.url}: the manifests from version {link.version} back to version {cur.version} add up to "
+                    f"{total} bytes, more than max_plan_bytes ({max_bytes}); the next keyframe repairs this, or "
+                    "raise max_plan_bytes")
+                if refused is not None:
+                    refused[(link.version, link.xxh3_128)] = err
+                raise err
+            if newer is not None and lm.manifest.keyframe_version != newer[1]:
+                raise ChainBrokenError(
+                    f"{store.url}/{newer[0]}: keyframe_version {newer[1]} differs from its base's ({lm.link.key}: "
+                    f"{lm.manifest.keyframe_version}): one of them lies")
+            if check is not None:
+                check(lm)
+        except (FormatError, ResourceLimitError, SignatureError, RunMismatchError) as exc:  # the same next time
+            if refused is not None:
+                refused.setdefault((cur.version, cur.xxh3_128), exc)
+            raise
+        links.append(cur)
+        if lm.manifest.kind == KEYFRAME or (stop is not None and stop(lm)):
+            break
+        newer = (cur.key, lm.manifest.keyframe_version)
+        cur = Link.base_of(lm.manifest)
+        del lm  # one parsed manifest at a time
+    links.reverse()
+    return Plan(links, lm)
+
+
+def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CHAIN,
+              retries: int = 2) -> Link:
+    """The link to an older committed ``version``, followed back from HEAD through each
+    manifest's link to its predecessor (``prev_manifest``, across keyframes, or a delta's base
+    link), so every version returned is authenticated by HEAD. Reads at most ``max_chain``
+    manifests. A version behind a keyframe written without ``prev_manifest`` (older stores)
+    cannot be authenticated: :class:`ChainBrokenError`, never a manifest taken as stored."""
+    if version > head.version:
+        raise ChainBrokenError(f"{store.url}: version {version} is above HEAD ({head.version})")
+    if version < 1:
+        raise ChainBrokenError(f"{store.url}: there is no version {version}")
+    cur = Link.of_head(head)
+    for _ in range(max_chain):
+        if cur.version == version:
+            return cur
+        lm = read_manifest(store, cur, retries=retries)
+        prev = Link.prev_of(lm.manifest)
+        if prev is None:
+            raise ChainBrokenError(
+                f"{store.url}: version {version} cannot be authenticated: keyframe {lm.version} on HEAD's chain was "
+                "written without prev_manifest (an older xcluster), so no hash link from HEAD reaches versions "
+                "before it")
+        cur = prev
+    if cur.version == version:
+        return cur
+    raise ChainBrokenError(f"{store.url}: version {version} is more than max_chain ({max_chain}) manifests behind "
+                           f"HEAD ({head.version}); raise max_chain or verify a newer version")

@@ -1,0 +1,778 @@
+"""The subscriber: follows a store and holds verified weights.
+
+``sync()`` polls HEAD (one conditional GET when nothing is new), walks HEAD's chain back to the
+version it holds (or to the newest keyframe) with :mod:`xcluster.chain`, then applies each
+version: fetch chunks in parallel (no lock held), verify every chunk checksum, then — under the
+state lock — decode, patch in place, verify every digest. Any failure or interrupt undoes that
+version only after every worker has stopped, and raises; the weights stay those of the last
+version that verified. ``snapshot()`` reads weights, version and digest together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .chain import Link, LinkedManifest, Plan, find_link, poll_head, read_manifest, walk_links
+from .checkpoint import LoadedCheckpoint, check_checkpoint, list_checkpoints, read_checkpoint
+from ..codec.decode import Fill, Patch, Scatter, block_memory, decode_block, fill, patch
+from ..codec.digest import entry_digest, model_digest_from
+from ..codec.dtypes import dtype_name, np_bits, torch_dtype
+from ..errors import (BaseMismatchError, ChainBrokenError, CheckpointMismatchError, ChecksumMismatchError, ConfigError,
+                     DecodeError,
+                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
+                     RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
+from ..util.fsutil import write_atomic
+from ..format import (FILL_ENCODINGS, FULL_KINDS, INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry,
+                     check_run_id, object_key, parse_manifest, xxh3_128)
+from ..trust.signing import load_verifier
+from ..store import Store, resolve_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubscriberConfig:
+    fetch_workers: int = 8
+    """Chunks fetched in parallel."""
+    decode_workers: int = 2
+    """Threads decoding blocks and hashing tensors."""
+    integrity_retries: int = 2
+    """A chunk or manifest whose bytes fail their checksum is fetched again this many times
+    before the version is refused with ChecksumMismatchError."""
+    max_model_bytes: int = 1 << 40
+    """Refuse a manifest whose weights would need more memory than this (checked before allocating)."""
+    max_tensor_bytes: int | None = None
+    """Refuse a manifest with a single tensor larger than this, before fetching anything
+    (None: only ``max_model_bytes`` bounds it). An allocation that fails anyway raises
+    ResourceLimitError."""
+    max_block_bytes: int = 8 << 30
+    """Refuse, before fetching anything, a version with a block whose decoding would hold more
+    than this (``codec.decode.block_memory``, from the manifest's sizes). A block written with
+    ``CodecConfig.block_bytes`` B needs about 2-4 B; B is at most 1 GiB."""
+    max_plan_bytes: int = 256 << 20
+    """Refuse a sync whose chain of manifests (from the target back to what is held, or to the
+    keyframe) adds up to more than this many bytes, once read that far: it bounds the work of
+    planning. Publishers' ``checkpoint_chain_fraction`` keeps legitimate chains far below it. A
+    refused chain is remembered: later syncs raise the same error without reading it again."""
+    max_chain: int = MAX_CHAIN
+    """Refuse to walk more than this many manifests back from HEAD. Publishers keep chains
+    shorter than ``format.MAX_CHAIN`` (their ``keyframe_every`` is capped there), so the default
+    accepts every chain a conforming publisher writes; a smaller value trades late-join cost for
+    refusing stores whose ``keyframe_every`` exceeds it."""
+    chunk_cache_dir: str | None = None
+    """Keep verified chunks here until their version is applied, so a process killed halfway
+    through a big version resumes without fetching them again. None: chunks live in memory only."""
+    trusted_keys: tuple[str, ...] = ()
+    """Paths of Ed25519 public keys (PEM, several for a key rotation). Every HEAD and manifest must
+    then be signed by one of them, or :class:`SignatureError` is raised and nothing changes. Empty:
+    ``$XCLUSTER_TRUSTED_KEYS`` / ``$XCLUSTER_TRUSTED_KEY_FILES`` when set, else no signature checks."""
+    run_id: str | None = None
+    """Follow only this training run: a HEAD or manifest of another run raises
+    :class:`RunMismatchError`. None: with trusted keys, the run of the first version applied (a
+    validly signed keyframe of another run is refused all the same); without, any run."""
+    max_staleness_s: float | None = None
+    """Refuse (``StaleHeadError``, nothing applied, what is held stays) a HEAD committed longer
+    ago than this: with signed HEADs, a replayed or frozen store shows as staleness instead of
+    passing for the truth. Set it above the longest pause between two publishes."""
+
+    def __post_init__(self) -> None:
+        if self.fetch_workers < 1 or self.decode_workers < 1:
+            raise ConfigError("fetch_workers and decode_workers must be >= 1")
+        if min(self.max_model_bytes, self.max_block_bytes, self.max_tensor_bytes or 1, self.max_plan_bytes) < 1:
+            raise ConfigError("max_model_bytes, max_tensor_bytes, max_block_bytes and max_plan_bytes must be >= 1 byte")
+        if self.integrity_retries < 0:
+            raise ConfigError("integrity_retries must be >= 0")
+        if not 1 <= self.max_chain <= MAX_CHAIN:
+            raise ConfigError(f"max_chain must be in [1, {MAX_CHAIN}] (format.MAX_CHAIN), got {self.max_chain}")
+        if isinstance(self.trusted_keys, (str, bytes)):
+            raise ConfigError("trusted_keys is a tuple of paths, not one string")
+        if self.run_id is not None:
+            try:
+                check_run_id(self.run_id)
+            except FormatError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.max_staleness_s is not None and not self.max_staleness_s > 0:
+            raise ConfigError(f"max_staleness_s must be > 0 seconds or None, got {self.max_staleness_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedVersion:
+    version: int
+    kind: str
+    model_digest: str
+    applied_unix: float
+    bytes_fetched: int
+    seconds: float
+    fetch_seconds: float = 0.0
+    """Fetching and checking the chunks (no lock held)."""
+    apply_seconds: float = 0.0
+    """Decoding, patching and verifying digests (under the state lock)."""
+    committed_unix_ms: int | None = None
+    """HEAD's commit time, when this version is the HEAD that was polled."""
+    manifest_xxh3_128: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Weights and the version they are, read together (one lock acquisition)."""
+
+    state: dict[str, torch.Tensor]
+    version: int | None
+    model_digest: str | None
+    manifest: Manifest | None
+    manifest_xxh3_128: str | None
+    manifest_data: bytes | None = None
+    """The manifest's bytes as stored (what :meth:`Subscriber.restore` takes back)."""
+
+
+@dataclass
+class SubscriberStats:
+    """Counters since the subscriber was created (the daemon exports them as metrics)."""
+
+    bytes_fetched: int = 0
+    chunk_cache_hits: int = 0
+    refetches: int = 0
+    checksum_failures: int = 0
+    versions_applied: int = 0
+    checkpoints_applied: int = 0
+    """Joins (or rejoins after falling behind retention) that started from a checkpoint."""
+    checkpoints_refused: int = 0
+    """Checkpoints skipped: unreadable, not the version they name, or failing their digests."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    manifest: Manifest
+    xxh3_128: str
+    digests: dict[str, str] = field(default_factory=dict)
+    data: bytes = b""
+    name: str | None = None
+    """The manifest object's name (``manifest-<id>.json.zst``) when known (not after a restore)."""
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class Subscriber:
+    def __init__(self, url: str | None = None, *, store: Store | None = None,
+                 config: SubscriberConfig | None = None,
+                 on_apply: Callable[[AppliedVersion], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = resolve_store(url, store, "Subscriber")
+        self.config = config or SubscriberConfig()
+        self.on_apply = on_apply
+        self.on_chunk: Callable[[Manifest, int], None] | None = None
+        """Called from fetch threads with each verified chunk's size (progress bars)."""
+        self.stats = SubscriberStats()
+        self.verifier = load_verifier(self.config.trusted_keys)
+        """Checks signatures when trusted keys are configured (None: no checks)."""
+        self._clock = clock
+        self._sync_lock = threading.Lock()  # one sync at a time
+        self._lock = threading.RLock()  # guards what is held; taken while patching, never while fetching
+        self._state: dict[str, torch.Tensor] = {}
+        self._held: _Held | None = None
+        self._head_etag: str | None = None
+        self._head: Head | None = None
+        self._floor = 0  # never go below this version (what a restarted daemon had applied)
+        # links refused for what their manifest bytes say, while what is held stays the same
+        self._refused: dict[tuple[int, str], XclusterError] = {}
+        self._refused_for: tuple[int, str] | None = None
+        self._bad_checkpoints: set[str] = set()  # checkpoint keys that failed: never tried again
+
+    # --- what it holds ------------------------------------------------------------------------
+    @property
+    def version(self) -> int | None:
+        held = self._held
+        return held.version if held else None
+
+    @property
+    def model_digest(self) -> str | None:
+        held = self._held
+        return held.manifest.model_digest if held else None
+
+    @property
+    def manifest(self) -> Manifest | None:
+        held = self._held
+        return held.manifest if held else None
+
+    @property
+    def head(self) -> Head | None:
+        """The HEAD seen by the last poll."""
+        return self._head
+
+    def snapshot(self, *, copy: bool = True) -> Snapshot:
+        """Weights, version and digest read together. With ``copy=False`` the tensors are the
+        subscriber's own: valid only until the next ``sync()`` patches them."""
+        with self._lock:
+            held = self._held
+            state = {n: t.clone() for n, t in self._state.items()} if copy else dict(self._state)
+            if held is None:
+                return Snapshot(state=state, version=None, model_digest=None, manifest=None, manifest_xxh3_128=None)
+            return Snapshot(state=state, version=held.version, model_digest=held.manifest.model_digest,
+                            manifest=held.manifest, manifest_xxh3_128=held.xxh3_128, manifest_data=held.data)
+
+    def state_dict(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The current verified weights (see :meth:`snapshot` to read their version with them)."""
+        return self.snapshot(copy=copy).state
+
+    def refuse_below(self, version: int) -> None:
+        """Never apply a version below ``version`` (:class:`RollbackError`), even holding nothing:
+        a daemon whose saved weights could not be restored still remembers how far it had got."""
+        self._floor = max(self._floor, version)
+
+    def restore(self, state: Mapping[str, torch.Tensor], manifest_data: bytes) -> int:
+        """Start from weights kept elsewhere (the daemon's model directory after a restart) and
+        the bytes of the manifest they are said to be: every tensor is re-hashed and must match
+        the manifest, or :class:`DigestMismatchError` is raised and nothing changes. Returns the
+        version now held; later ``sync()`` calls apply only what comes after it."""
+        m = parse_manifest(manifest_data, where="restored manifest")
+        where = f"restored version {m.version}"
+        self._check_trust(m, None, where=where)
+        if set(state) != {t.name for t in m.tensors}:
+            raise DigestMismatchError(f"{where}: tensor names differ from the manifest's")
+        tensors: dict[str, torch.Tensor] = {}
+        for t in m.tensors:
+            cur = state[t.name]
+            if dtype_name(cur.dtype) != t.dtype or tuple(cur.shape) != t.shape:
+                raise DigestMismatchError(f"{where}: {t.name} is {dtype_name(cur.dtype)}{tuple(cur.shape)}, the "
+                                          f"manifest says {t.dtype}{t.shape}")
+            tensors[t.name] = cur.detach().contiguous()
+        with ThreadPoolExecutor(max_workers=self.config.decode_workers) as pool:
+            got = dict(zip(tensors, pool.map(lambda t: entry_digest(tensors[t.name], t.parts), m.tensors)))
+        for t in m.tensors:
+            if got[t.name] != t.digest:
+                raise DigestMismatchError(f"{where}: {t.name} hashes to {got[t.name]}, the manifest says {t.digest}")
+        if model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors) != m.model_digest:
+            raise DigestMismatchError(f"{where}: the manifest's model digest does not match its tensors")
+        with self._sync_lock, self._lock:
+            self._state = tensors
+            self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
+        return m.version
+
+    def write_checkpoint(self, store: Store | None = None, *, codec=None, upload_workers: int = 4):
+        """Write the verified weights held as a checkpoint of their version (FORMAT.md §3a) into
+        ``store`` (default: the store followed, e.g. the cluster-local copy a relay fills): nodes
+        that join there start from it without a byte across the WAN. Nobody has to trust this
+        node: a reader accepts the checkpoint only if it reproduces the version's signed manifest
+        and every tensor it decodes hashes to that manifest's digests. Returns the
+        :class:`~xcluster.checkpoint_writer.WrittenCheckpoint`, or None when nothing is held."""
+        from ..ship.checkpoint import write_checkpoint
+
+        with self._sync_lock:  # no sync patches the weights while they are encoded
+            held = self._held
+            if held is None or held.name is None:  # restored: the name comes with the next version
+                return None
+            return write_checkpoint(store or self.store, self._state, held.manifest, held.name, held.xxh3_128,
+                                    codec=codec, upload_workers=upload_workers, clock=self._clock)
+
+    # --- following ----------------------------------------------------------------------------
+    def poll(self) -> Head | None:
+        """The newest committed HEAD: one conditional GET, which costs no body when unchanged."""
+        r = poll_head(self.store, self._head_etag)
+        if r is not None:
+            self._head, self._head_etag = r
+        return self._head
+
+    def sync(self, *, until: int | None = None, poll: bool = True) -> int | None:
+        """Apply every committed version up to HEAD (or up to ``until``); returns the version now
+        held (None while the store is empty). A HEAD below what is held raises
+        :class:`RollbackError` and changes nothing. ``poll=False``: up to the HEAD the caller's
+        own :meth:`poll` just read (no second request)."""
+        with self._sync_lock:
+            head = self.poll() if poll or self._head is None else self._head
+            if head is None:
+                return self.version
+            held = self._held
+            self._check_head(head, held)
+            target = Link.of_head(head)
+            if until is not None and until < head.version:
+                target = find_link(self.store, head, until, max_chain=self.config.max_chain,
+                                   retries=self.config.integrity_retries)
+            if held is not None:
+                if target.version == held.version and target.xxh3_128 == held.xxh3_128:
+                    return held.version
+                if target.version < held.version:
+                    raise RollbackError(
+                        f"{self.store.url}: HEAD names version {target.version} but this subscriber already "
+                        f"holds version {held.version}: the store was rolled back or replaced by an older copy; "
+                        f"it keeps serving version {held.version} and refuses to go backwards")
+            if target.version < self._floor:
+                raise RollbackError(
+                    f"{self.store.url}: HEAD names version {target.version} but version {self._floor} was already "
+                    "applied here before a restart: the store was rolled back or replaced by an older copy; "
+                    "this subscriber refuses to go backwards")
+            def reaches_held(lm: LinkedManifest) -> bool:
+                m = lm.manifest
+                return (held is not None and m.base_version == held.version
+                        and m.base_manifest_xxh3_128 == held.xxh3_128)
+
+            def count_retry(_msg: str) -> None:
+                self.stats.refetches += 1
+                self.stats.checksum_failures += 1
+
+            held_key = None if held is None else (held.version, held.xxh3_128)
+            if self._refused_for != held_key or len(self._refused) > 1024:
+                self._refused.clear()
+                self._refused_for = held_key
+            cfg = self.config
+
+            def check(lm: LinkedManifest) -> None:  # before any chunk is fetched
+                where = f"{self.store.url}/{lm.link.key}"
+                m = lm.manifest
+                if m.version == head.version and (m.kind, m.keyframe_version) != (head.kind, head.keyframe_version):
+                    raise ChainBrokenError(
+                        f"{self.store.url}: HEAD says version {head.version} is a {head.kind} of keyframe_version "
+                        f"{head.keyframe_version}, its manifest says {m.kind} of {m.keyframe_version}")
+                if reaches_held(lm) and m.kind != KEYFRAME and m.keyframe_version != held.manifest.keyframe_version:
+                    raise ChainBrokenError(
+                        f"{where}: keyframe_version {m.keyframe_version} differs from its base's (version "
+                        f"{held.version}, keyframe_version {held.manifest.keyframe_version})")
+                self._check_trust(m, head, where=where)
+                self._check_limits(m, where)
+
+            walk = dict(check=check, max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
+                        retries=cfg.integrity_retries, on_retry=count_retry)
+            # A node that holds nothing starts from the newest checkpoint (when there is one); a
+            # node that follows walks back to what it holds and downloads deltas only, unless
+            # retention removed them (then from a checkpoint newer than what it holds).
+            while True:  # a checkpoint that fails to apply is set aside: plan again without it
+                plan, cp = self._plan(target, held, reaches_held, walk)
+                links, first = plan.links, plan.oldest
+                del plan  # the oldest is dropped once applied, like the ones read again after it
+                if cp is None:
+                    break
+                try:  # the checkpoint stands for the oldest link: applied in its place, labelled as it
+                    self._apply(cp.manifest, cp.xxh3_128, cp.data, head, where=f"{self.store.url}/{cp.key}",
+                                label=first)
+                except (IntegrityError, ChainBrokenError, FormatError, ResourceLimitError) as exc:
+                    log.warning("checkpoint %s/%s refused (%s: %s); trying without it", self.store.url, cp.key,
+                                type(exc).__name__, exc)
+                    self._bad_checkpoints.add(cp.key)
+                    self.stats.checkpoints_refused += 1
+                    continue
+                self.stats.checkpoints_applied += 1
+                links, first = links[1:], None
+                break
+            for link in links:  # later ones read again, hash-checked: one parsed manifest held at a time
+                lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
+                                                                   on_retry=count_retry)
+                first = None
+                self._apply(lm.manifest, lm.link.xxh3_128, lm.data, head, where=f"{self.store.url}/{lm.link.key}",
+                            name=lm.link.manifest)
+                del lm
+            return self.version
+
+    def _plan(self, target: Link, held: _Held | None, reaches_held: Callable[[LinkedManifest], bool],
+              walk: dict) -> tuple[Plan, LoadedCheckpoint | None]:
+        """What to apply: a node that holds nothing starts from the newest usable checkpoint (when
+        there is one); a node that follows walks back to what it holds and downloads deltas only,
+        unless they are gone (retention): then from a checkpoint newer than what it holds."""
+        if held is None:
+            plan, cp = self._checkpoint_plan(target, reaches_held, walk, 0)
+            if plan is not None:
+                return plan, cp
+        try:
+            return walk_links(self.store, target, stop=reaches_held, **walk), None
+        except ChainBrokenError as exc:
+            if held is None:
+                raise
+            plan, cp = self._checkpoint_plan(target, reaches_held, walk, held.version)
+            if plan is None:
+                raise
+            log.warning("%s; continuing from checkpoint %s", exc, cp.key if cp else "(none)")
+            return plan, cp
+
+    def _checkpoint_plan(self, target: Link, reaches_held: Callable[[LinkedManifest], bool], walk: dict,
+                         above: int) -> tuple[Plan | None, LoadedCheckpoint | None]:
+        """The plan from the newest usable checkpoint above version ``above`` up to ``target``:
+        HEAD's chain walked back to the checkpoint's version, whose committed manifest the
+        checkpoint must reproduce (checkpoint.py). ``(None, None)`` when no checkpoint serves;
+        ``(plan, None)`` when the walk met a keyframe or what is held first."""
+        for ref in list_checkpoints(self.store, at_most=target.version):
+            if ref.version <= above:
+                break
+            if ref.key in self._bad_checkpoints:
+                continue
+            where = f"{self.store.url}/{ref.key}"
+            try:
+                cp = read_checkpoint(self.store, ref)
+            except (FormatError, IntegrityError, ObjectNotFoundError) as exc:
+                log.warning("skipping checkpoint %s (%s): %s", where, type(exc).__name__, exc)
+                self._bad_checkpoints.add(ref.key)
+                self.stats.checkpoints_refused += 1
+                continue
+            v = ref.version
+            plan = walk_links(self.store, target, stop=lambda lm: reaches_held(lm) or lm.version == v, **walk)
+            oldest = plan.oldest
+            if oldest.version != v or oldest.manifest.kind == KEYFRAME:
+                return plan, None
+            try:
+                check_checkpoint(cp.manifest, oldest.manifest, oldest.link.xxh3_128, oldest.link.manifest, where=where)
+                self._check_limits(cp.manifest, where)
+            except (CheckpointMismatchError, ResourceLimitError) as exc:
+                log.warning("skipping checkpoint (%s): %s", type(exc).__name__, exc)
+                self._bad_checkpoints.add(ref.key)
+                self.stats.checkpoints_refused += 1
+                continue
+            return plan, cp
+        return None, None
+
+    # --- trust ----------------------------------------------------------------------------------
+    def _check_head(self, head: Head, held: _Held | None) -> None:
+        """Signature, run and freshness of a HEAD, before anything it names is read."""
+        where = f"{self.store.url}/HEAD (version {head.version})"
+        if self.verifier is not None:
+            self.verifier.verify(head, where=where)
+        self._check_run(head.run_id, held, where=where)
+        max_age = self.config.max_staleness_s
+        if max_age is not None:
+            age = self._clock() - head.committed_unix_ms / 1000
+            if age > max_age:
+                keeps = f"keeps serving version {held.version}" if held else "holds no weights yet"
+                raise StaleHeadError(
+                    f"{where} was committed {age:.0f} s ago, more than max_staleness_s ({max_age:g} s): the trainer "
+                    f"stopped publishing, or the store is frozen or replaying an old HEAD; this subscriber {keeps}")
+
+    def _check_trust(self, m: Manifest, head: Head | None, *, where: str) -> None:
+        """A manifest's signature and run, before any of its chunks is fetched."""
+        if self.verifier is not None:
+            self.verifier.verify(m, where=where)
+            if head is not None and m.run_id != head.run_id:
+                raise RunMismatchError(f"{where} belongs to run {m.run_id!r}, HEAD to run {head.run_id!r}")
+        self._check_run(m.run_id, self._held, where=where)
+
+    def _check_run(self, run_id: str | None, held: _Held | None, *, where: str) -> None:
+        want = self.config.run_id
+        if want is not None and run_id != want:
+            raise RunMismatchError(f"{where} belongs to run {run_id!r}; this subscriber follows run {want!r}")
+        if self.verifier is None:
+            return  # unsigned, anything can be forged: run ids are only enforced with signatures (or a pin)
+        have = held.manifest.run_id if held is not None else None
+        if have is not None and run_id is not None and run_id != have:
+            raise RunMismatchError(
+                f"{where} belongs to run {run_id!r}, but the weights held (version {held.version}) are of run "
+                f"{have!r}: another run's versions were put under this prefix; this subscriber keeps serving "
+                f"version {held.version}")
+
+    # --- fetching (no lock held: readers of the current weights are never kept waiting) ------
+    def _cache_path(self, m: Manifest, mhash: str, name: str) -> Path | None:
+        root = self.config.chunk_cache_dir
+        return None if root is None else Path(root) / f"{m.version:012d}-{mhash[:16]}" / name
+
+    def _fetch_chunk(self, m: Manifest, mhash: str, i: int) -> bytes:
+        c = m.chunks[i]
+        key = object_key(m, c.name)
+        where = f"{self.store.url}/{key}"
+        cached = self._cache_path(m, mhash, c.name)
+        if cached is not None and cached.is_file() and cached.stat().st_size == c.size:
+            data = cached.read_bytes()
+            if xxh3_128(data) == c.xxh3_128:
+                self.stats.chunk_cache_hits += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
+                return data
+        err: IntegrityError | None = None
+        for attempt in range(self.config.integrity_retries + 1):
+            try:  # one byte more than expected tells "too long" without reading a hostile object whole
+                data = self.store.get_range(key, 0, c.size + 1)
+            except ObjectNotFoundError:
+                raise ChainBrokenError(f"{where} is missing: version {m.version} cannot be applied") from None
+            self.stats.bytes_fetched += len(data)
+            if len(data) != c.size:
+                err = TruncatedObjectError(f"{where} is {len(data)} bytes, the manifest says {c.size}")
+            elif (got := xxh3_128(data)) != c.xxh3_128:
+                self.stats.checksum_failures += 1
+                err = ChecksumMismatchError(f"{where} hashes to {got}, the manifest says {c.xxh3_128}: "
+                                            "corrupt in storage or in transit")
+            else:
+                if cached is not None:
+                    write_atomic(cached, data, sync_dir=False)
+                if self.on_chunk is not None:
+                    self.on_chunk(m, c.size)
+                return data
+            if attempt < self.config.integrity_retries:
+                self.stats.refetches += 1
+            log.warning("%s (attempt %d of %d)", err, attempt + 1, self.config.integrity_retries + 1)
+        assert err is not None
+        raise err
+
+    def _stream_fresh(self, m: Manifest, mhash: str, where: str) -> tuple[dict[int, torch.Tensor], dict[int, bytes]]:
+        """Fetch and verify every chunk, at most ``fetch_workers`` at a time, and fill the tensors
+        that start empty (``init: none``: a keyframe's, or new ones) from their ``planes`` blocks
+        as each chunk arrives; a chunk is dropped once used. No lock is taken: nothing held is
+        touched. Returns those tensors by index and the chunks still needed by patches of held
+        tensors (``-sub`` blocks, applied under the lock). So a keyframe costs the new weights
+        plus a few chunks, never every chunk of the version at once."""
+        fresh = {i: _alloc(t, where) for i, t in enumerate(m.tensors) if t.init != INIT_BASE}
+        fills: dict[int, list[int]] = {}
+        keep: set[int] = set()
+        for bi, b in enumerate(m.blocks):
+            if b.encoding in FILL_ENCODINGS:
+                fills.setdefault(b.chunk, []).append(bi)
+            else:
+                keep.add(b.chunk)
+        kept: dict[int, bytes] = {}
+        window = self.config.fetch_workers
+        pending: deque[tuple[int, Future]] = deque()
+        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="xc-fetch") as fetch, \
+                ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as dec:
+            try:
+                nxt = 0
+                while nxt < len(m.chunks) or pending:
+                    while nxt < len(m.chunks) and len(pending) < window:
+                        pending.append((nxt, fetch.submit(self._fetch_chunk, m, mhash, nxt)))
+                        nxt += 1
+                    ci, fut = pending.popleft()
+                    data = fut.result()
+                    blocks = fills.get(ci, ())
+                    _run_all(dec, lambda k: self._fill(m, blocks[k], data, fresh, where), len(blocks))
+                    if ci in keep:
+                        kept[ci] = data
+                    del data
+            finally:
+                for _, fut in pending:  # after a failure or an interrupt: start no more fetches
+                    fut.cancel()
+        return fresh, kept
+
+    @staticmethod
+    def _fill(m: Manifest, bi: int, data: bytes, fresh: dict[int, torch.Tensor], where: str) -> None:
+        b = m.blocks[bi]
+        for op in decode_block(b, data, m.tensors, where=f"{where} block {bi}", into=fresh):
+            assert isinstance(op, Fill)
+            fill(fresh[op.tensor], op)
+
+    def prune_chunk_cache(self) -> None:
+        """Drop cached chunks of versions up to the one held (they were applied)."""
+        root, held = self.config.chunk_cache_dir, self._held
+        if root is None or held is None or not os.path.isdir(root):
+            return
+        for d in os.listdir(root):
+            head = d.split("-", 1)[0]
+            if head.isdigit() and int(head) <= held.version:
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+    # --- applying -----------------------------------------------------------------------------
+    def _apply(self, m: Manifest, mhash: str, data: bytes, head: Head, *, where: str,
+               label: LinkedManifest | None = None, name: str | None = None) -> None:
+        """Apply manifest ``m`` (a version's, or with ``label`` a checkpoint, which is held as the
+        version manifest ``label`` once it verified)."""
+        t0 = time.perf_counter()
+        self._check_limits(m, where)
+        fresh, chunks = self._stream_fresh(m, mhash, where)
+        t1 = time.perf_counter()
+        with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
+            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
+        chunks.clear()  # free the compressed bytes now
+        fresh.clear()
+        self.stats.versions_applied += 1
+        self.prune_chunk_cache()
+        t2 = time.perf_counter()
+        ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
+                            bytes_fetched=m.chunk_bytes, seconds=t2 - t0, fetch_seconds=t1 - t0,
+                            apply_seconds=t2 - t1,
+                            manifest_xxh3_128=mhash if label is None else label.link.xxh3_128,
+                            committed_unix_ms=head.committed_unix_ms if head.version == m.version else None)
+        log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
+        if self.on_apply is not None:
+            self.on_apply(ev)
+
+    def _check_limits(self, m: Manifest, where: str) -> None:
+        """Refuse, before fetching or allocating anything, a version whose weights exceed the
+        configured memory limits."""
+        cfg = self.config
+        if m.model_bytes > cfg.max_model_bytes:
+            raise ResourceLimitError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
+                                     f"({cfg.max_model_bytes})")
+        cap = cfg.max_tensor_bytes
+        big = max(m.tensors, key=lambda t: t.nbytes, default=None)
+        if cap is not None and big is not None and big.nbytes > cap:
+            raise ResourceLimitError(f"{where}: tensor {big.name} ({big.dtype}{list(big.shape)}, {big.nbytes} bytes) "
+                                     f"exceeds max_tensor_bytes ({cap})")
+        for bi, b in enumerate(m.blocks):
+            if (need := block_memory(b)) > cfg.max_block_bytes:
+                raise ResourceLimitError(f"{where}: block {bi} ({b.encoding}) needs {need} bytes to decode, more than "
+                                         f"max_block_bytes ({cfg.max_block_bytes})")
+
+    def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
+                          where: str, data: bytes, label: LinkedManifest | None = None,
+                          name: str | None = None) -> None:
+        """Patch ``m``'s ``-sub`` blocks onto what is held (its ``planes`` blocks already filled
+        ``fresh``), verify, and swap; on any failure or interrupt every patch is undone, after
+        every worker has stopped."""
+        held = self._held
+        is_key = m.kind in FULL_KINDS
+        if not is_key and (held is None or m.base_version != held.version
+                           or m.base_manifest_xxh3_128 != held.xxh3_128):
+            raise BaseMismatchError(f"{where}: delta on version {m.base_version} ({m.base_model_digest}) but "
+                                    f"this subscriber holds {self.version} ({self.model_digest})")
+        digests = held.digests if held is not None and not is_key else {}
+        # tensors of the new state: patched in place (init base) or fresh (init none)
+        target: list[torch.Tensor] = []
+        for t in m.tensors:
+            if t.init == INIT_BASE:
+                cur = self._state.get(t.name)
+                if cur is None or cur.dtype != torch_dtype(t.dtype) or tuple(cur.shape) != t.shape:
+                    raise BaseMismatchError(f"{where}: {t.name} is carried over from the base but this "
+                                            "subscriber's tensor differs in name, dtype or shape")
+                target.append(cur)
+            else:
+                target.append(fresh[len(target)])
+        applied: list[tuple[torch.Tensor, Patch | Scatter]] = []
+        patches = [bi for bi, b in enumerate(m.blocks) if b.encoding not in FILL_ENCODINGS]
+        plock = threading.Lock()
+        touched = {s.tensor for b in m.blocks for s in b.segments}
+        # a tensor is hashed by the worker that patches its last block, while others still decode
+        block_tensors = {bi: {s.tensor for s in m.blocks[bi].segments} for bi in patches}
+        pending = Counter(i for ts in block_tensors.values() for i in ts)
+        hashed: dict[int, str] = {}
+
+        def run_block(bi: int) -> None:
+            b = m.blocks[bi]
+            ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}", base=target)
+            for op in ops:  # decoded and bounds-checked whole before any of it is applied
+                tgt = target[op.tensor]
+                if isinstance(op, Fill):
+                    fill(tgt, op)
+                else:
+                    patch(tgt, op)
+                    with plock:
+                        applied.append((tgt, op))
+            with plock:
+                done = []
+                for i in block_tensors[bi]:
+                    pending[i] -= 1
+                    if pending[i] == 0:
+                        done.append(i)
+            for i in done:
+                hashed[i] = entry_digest(target[i], m.tensors[i].parts)
+
+        ok = False
+        with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
+            try:
+                _run_all(pool, lambda k: run_block(patches[k]), len(patches))
+                for i, t in enumerate(m.tensors):
+                    if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
+                        raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")
+                # verify: hash what changed; what did not change keeps the digest we verified before,
+                # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
+                idx = sorted(touched | {i for i, t in enumerate(m.tensors)
+                                        if t.init != INIT_BASE or digests.get(t.name) != t.digest})
+                rest = [i for i in idx if i not in hashed]
+                hashed.update(zip(rest, _run_all(
+                    pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts), len(rest))))
+                for i in idx:
+                    got = hashed[i]
+                    if got != m.tensors[i].digest:
+                        changed = "after applying" if i in touched or m.tensors[i].init != INIT_BASE else \
+                            "unchanged from the verified base"
+                        raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} ({changed}), "
+                                                  f"the manifest says {m.tensors[i].digest}")
+                got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
+                if got != m.model_digest:
+                    raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
+                # swap before anything else can be interrupted (the pool's shutdown below can be):
+                # one statement, no call in between, so weights and label move together
+                held_as = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data, name) if label is None else \
+                    _Held(label.manifest, label.link.xxh3_128, {t.name: t.digest for t in m.tensors}, label.data,
+                          label.link.manifest)
+                self._state, self._held = {t.name: target[i] for i, t in enumerate(m.tensors)}, held_as
+                ok = True
+            finally:
+                if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
+                    _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
+
+
+def _alloc(t: TensorEntry, where: str) -> torch.Tensor:
+    """A fresh tensor for ``t``; an allocation the machine refuses is a named error."""
+    try:
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise ResourceLimitError(f"{where}: cannot allocate {t.name} ({t.dtype}{list(t.shape)}, {t.nbytes} "
+                                 f"bytes): {str(exc).splitlines()[0][:200]}; lower the model size or raise the "
+                                 "memory available to this process") from exc
+
+
+def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
+    """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
+    call has finished or was cancelled before starting, even if this thread is interrupted
+    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then.
+    After a first error no further call starts (a version of many broken blocks costs one)."""
+    futures: list[Future] = []
+    interrupt: BaseException | None = None
+    failed = threading.Event()
+
+    def call(i: int) -> object:
+        if failed.is_set():
+            return None
+        try:
+            return fn(i)
+        except BaseException:
+            failed.set()
+            raise
+
+    try:
+        for i in range(n):
+            if failed.is_set():
+                break
+            futures.append(pool.submit(call, i))
+    except BaseException as exc:  # noqa: BLE001 - interrupted while submitting: stop submitting, wait below
+        interrupt = exc
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the workers stopped
+            interrupt = interrupt or exc
+            for f in futures:
+                f.cancel()
+    if interrupt is not None:
+        raise interrupt
+    return [f.result() for f in futures]  # a call skipped after an error returned None: that error raises first
+
+
+def _shielded(fn: Callable[[], object]) -> object:
+    """Run ``fn`` to its end on another thread, whatever interrupts this one, and return its
+    result (or raise its error). Python runs signal handlers only in the main thread, so nothing
+    ``fn`` does can be cut short by KeyboardInterrupt or a handler's SystemExit; such an
+    interrupt is re-raised here once ``fn`` is done."""
+    done = threading.Event()
+    box: list = [None, None]
+
+    def run() -> None:
+        try:
+            box[0] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box[1] = exc
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run, name="xc-apply")
+    interrupt: BaseException | None = None
+    try:
+        t.start()
+    except BaseException as exc:  # noqa: BLE001 - interrupted inside start(): the thread may run anyway
+        interrupt = exc
+        if not t.ident:  # it never started
+            run()
+    while not done.is_set():
+        try:
+            done.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised once fn is done
+            interrupt = interrupt or exc
+    if box[1] is not None:
+        raise box[1]
+    if interrupt is not None:
+        raise interrupt
+    return box[0]
