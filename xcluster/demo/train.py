@@ -135,7 +135,7 @@ class Published:
     background mode), how long it blocked the trainer, and the trainer's own digest."""
 
     stats: StepStats
-    result: Any  # xcluster.PublishResult | xcluster.background.PublishTicket
+    result: Any  # xcluster.PublishResult | xcluster.write.background.PublishTicket
     blocked_seconds: float
     trainer_digest: str
 

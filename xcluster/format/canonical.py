@@ -43,7 +43,7 @@ def xxh3_128(data: bytes | memoryview) -> str:
 @dataclass(frozen=True, slots=True)
 class Signature:
     """An Ed25519 signature over an object's *signed payload*: the canonical JSON of the object
-    without its ``signature`` member (docs/FORMAT.md §Signatures). xcluster/signing.py makes
+    without its ``signature`` member (docs/FORMAT.md §Signatures). xcluster/trust/signing.py makes
     and checks them; this module only carries and validates them."""
 
     alg: str

@@ -1,6 +1,6 @@
 """Dtype names of the format and their widths, torch-free (the manifest parser needs only these).
 
-xcluster/dtypes.py maps them to torch dtypes; a reader whose torch lacks one of the rarer ones
+xcluster/codec/dtypes.py maps them to torch dtypes; a reader whose torch lacks one of the rarer ones
 refuses it when it applies a version.
 """
 

@@ -267,7 +267,7 @@ class Subscriber:
         that join there start from it without a byte across the WAN. Nobody has to trust this
         node: a reader accepts the checkpoint only if it reproduces the version's signed manifest
         and every tensor it decodes hashes to that manifest's digests. Returns the
-        :class:`~xcluster.checkpoint_writer.WrittenCheckpoint`, or None when nothing is held."""
+        :class:`~xcluster.ship.checkpoint.WrittenCheckpoint`, or None when nothing is held."""
         from ..ship.checkpoint import write_checkpoint
 
         with self._sync_lock:  # no sync patches the weights while they are encoded

@@ -76,8 +76,8 @@ class PublisherConfig:
     what HEAD and live subscribers need stays, the rest goes once past its grace. None: never
     (run ``xcluster gc`` yourself, or use the bucket's lifecycle rules; see docs/RETENTION.md)."""
     background: bool = False
-    """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.background.PublishTicket`);
-    encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/background.py)."""
+    """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.write.background.PublishTicket`);
+    encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/write/background.py)."""
     snapshot: str = "device"
     """Background mode: where the snapshot goes. ``"device"`` copies on the tensors' own device (fastest
     for the trainer, costs device memory); ``"pinned"`` copies CUDA tensors to page-locked host memory
@@ -88,7 +88,7 @@ class PublisherConfig:
     signing_key: str | None = None
     """Path of an Ed25519 private key (PEM, from ``xcluster keygen``): every manifest and HEAD is
     signed with it. None: ``$XCLUSTER_SIGNING_KEY`` / ``$XCLUSTER_SIGNING_KEY_FILE`` when set, else
-    unsigned (see xcluster/signing.py, docs/SECURITY.md)."""
+    unsigned (see xcluster/trust/signing.py, docs/SECURITY.md)."""
     base_on: str = "device"
     """Where the base for the next delta is kept when versions are scanned on the device (tensors on
     a GPU, or ``codec.scan="torch"``): ``"device"`` keeps a copy there (one model's worth of device
@@ -211,7 +211,7 @@ class Publisher:
         self.last_result: PublishResult | None = None
         """The newest version this publisher committed."""
         self.background = None
-        """The :class:`~xcluster.background.BackgroundPublisher` in background mode (``.stats()``), else None."""
+        """The :class:`~xcluster.write.background.BackgroundPublisher` in background mode (``.stats()``), else None."""
         if self.config.background:
             from .background import BackgroundPublisher
 
@@ -242,8 +242,8 @@ class Publisher:
         ``files`` (a model directory, whose non-weight files are taken, or name → bytes) replaces
         the non-weight files from this version on; they are uploaded only when they change.
         On failure nothing becomes visible and the next call retries the same version number.
-        In background mode, returns a :class:`~xcluster.background.PublishTicket` once the
-        weights are snapshotted (see xcluster/background.py).
+        In background mode, returns a :class:`~xcluster.write.background.PublishTicket` once the
+        weights are snapshotted (see xcluster/write/background.py).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
                                  or not 0 <= int(step) <= MAX_STEP):
@@ -480,7 +480,7 @@ def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: 
                       digests: Mapping[str, str], base: Mapping[str, torch.Tensor] | None, *, written: list[str],
                       tags: dict[str, str], chunk_prefix: str) -> tuple[EncodedVersion, int]:
     """Encode ``new`` (against ``base``, or as a keyframe) into chunks ``<chunk_prefix>-NNNNNN.xc``
-    of ``version`` and upload them while encoding continues (see :func:`xcluster.upload.encode_and_upload`)."""
+    of ``version`` and upload them while encoding continues (see :func:`xcluster.ship.upload.encode_and_upload`)."""
     # Chunk names are unique to this attempt, so a publisher that loses the race for a
     # version number (or retries one) never overwrites or deletes another attempt's chunks.
     return upload_chunks(store, config.codec, new, digests, base, key_of=lambda n: chunk_key(version, n),
