@@ -24,6 +24,7 @@ import torch
 from ..util import heap
 from .base import BASE_ON, BaseCopy, host_copy, tensor_digests
 from ..codec.encode import CodecConfig, EncodedVersion
+from .cadence import Cadence
 from .commit import Committer, InFlight, LateCommitError, seal
 from ..codec.digest import model_digest_from
 from ..codec.dtypes import dtype_name
@@ -194,11 +195,7 @@ class Publisher:
         self._base_model_digest: str | None = None
         self._base_link: tuple[str, str] | None = None  # (manifest name, manifest hash) of the base
         self._base_version = 0
-        self._keyframe_version = 0
-        self._since_keyframe = 0
-        self._since_checkpoint = 0
-        self._checkpoint_bytes = 0
-        self._chain_bytes = 0  # bytes of the deltas since the last checkpoint (or keyframe)
+        self._cadence = Cadence()
         self._signer = load_signer(self.config.signing_key)
         self._committer = Committer(self.store)
         self.run_id = self._run_id(self._committer.head)
@@ -313,7 +310,7 @@ class Publisher:
         if self._base_version != c.version:  # never a delta on anything but the version HEAD names
             self._base = None
         is_key = (self._base is None or force_keyframe is True
-                  or (force_keyframe is None and self._keyframe_due()))
+                  or (force_keyframe is None and self._cadence.keyframe_due(self.config)))
         attempt = self._attempt_id()
         mname = manifest_name_for(attempt)
         tags = {KIND_TAG: KEYFRAME if is_key else DELTA}  # for bucket lifecycle rules (terraform/)
@@ -346,7 +343,7 @@ class Publisher:
                 mdigest = model_digest_from((e.name, e.dtype, e.shape, e.digest) for e in encoded.tensors)
                 manifest = Manifest(
                     **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
-                                   base_link=self._base_link, keyframe_version=self._keyframe_version),
+                                   base_link=self._base_link, keyframe_version=self._cadence.keyframe_version),
                     step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
                     tensors=tuple(encoded.tensors), chunks=tuple(encoded.chunks), blocks=tuple(encoded.blocks),
                     changed_elements=encoded.changed_elements, files=self._files.entries, run_id=self.run_id)
@@ -375,17 +372,11 @@ class Publisher:
         else:
             assert self._base is not None
             self._base.advance_host(new, encoded.update, {e.name: e.digest for e in encoded.tensors})
-        if is_key:
-            self._keyframe_version, self._since_keyframe = version, 0
-            self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, delta_bytes, 0
-        else:
-            self._since_keyframe += 1
-            self._since_checkpoint += 1
-            self._chain_bytes += delta_bytes
+        self._cadence.committed(version, keyframe=is_key, nbytes=delta_bytes)
         self._base_model_digest, self._base_link = mdigest, (mname, mhash)
         self._base_version = version
         checkpoint_bytes = 0
-        if not is_key and self._checkpoint_due():
+        if not is_key and self._cadence.checkpoint_due(cfg):
             checkpoint_bytes = self._write_checkpoint(manifest, mname, mhash)
         return PublishResult(
             version=version, kind=manifest.kind, base_version=manifest.base_version, step=step,
@@ -393,13 +384,6 @@ class Publisher:
             model_bytes=manifest.model_bytes, bytes_written=delta_bytes + file_bytes,
             publish_seconds=time.perf_counter() - t0, committed_unix=committed, model_digest=mdigest,
             checkpoint_bytes=checkpoint_bytes)
-
-    def _keyframe_due(self) -> bool:
-        return keyframe_due(self.config, since_keyframe=self._since_keyframe)
-
-    def _checkpoint_due(self) -> bool:
-        return checkpoint_due(self.config, since_checkpoint=self._since_checkpoint, chain_bytes=self._chain_bytes,
-                              checkpoint_bytes=self._checkpoint_bytes)
 
     def _write_checkpoint(self, manifest: Manifest, mname: str, mhash: str) -> int:
         """The checkpoint of the version just committed, from the publisher's host copy of it. A
@@ -418,7 +402,7 @@ class Publisher:
         finally:
             heap.release()
         log.info("checkpoint of version %d: %d bytes in %.2fs", w.version, w.bytes_written, w.seconds)
-        self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, w.bytes_written, 0
+        self._cadence.checkpointed(w.bytes_written)
         if cfg.gc_after_checkpoint is not None:
             try:
                 report = gc(self.store, config=cfg.gc_after_checkpoint, now=self._clock, apply=True)
@@ -448,22 +432,6 @@ def chain_fields(version: int, *, is_key: bool, head: Head | None, base_model_di
         base_manifest=None if is_key else base_link[0],
         keyframe_version=version if is_key else keyframe_version,
         prev_manifest=None if head is None else ManifestLink(head.version, head.manifest, head.manifest_xxh3_128))
-
-
-def keyframe_due(config: PublisherConfig, *, since_keyframe: int) -> bool:
-    """Whether the next version must be a keyframe by ``keyframe_every`` (off by default)."""
-    return config.keyframe_every is not None and since_keyframe + 1 >= config.keyframe_every
-
-
-def checkpoint_due(config: PublisherConfig, *, since_checkpoint: int, chain_bytes: int, checkpoint_bytes: int) -> bool:
-    """The checkpoint policy, after a committed delta: ``checkpoint_every`` versions since the last
-    checkpoint (or keyframe), or the deltas since then outweigh ``checkpoint_chain_fraction`` of it."""
-    if config.checkpoint_every is None:
-        return False
-    if since_checkpoint >= config.checkpoint_every:
-        return True
-    frac = config.checkpoint_chain_fraction
-    return frac is not None and chain_bytes > frac * checkpoint_bytes
 
 
 def resolve_run_id(want: str | None, head: Head | None, url: str) -> str:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec.encode import apply_update
+from .cadence import Cadence
 from .commit import Committer, seal
 from ..codec.digest import combine_part_digests, model_digest_from, tensor_digest
 from ..codec.dtypes import dtype_name
@@ -52,7 +53,7 @@ from ..format import (DELTA, KEYFRAME, KIND_TAG, BlockEntry, ChunkEntry, Manifes
 from ..read.checkpoint import checkpoint_manifest
 from ..format import CHECKPOINT, checkpoint_dir, checkpoint_key
 from ..format.packing import pack
-from .publisher import (MAX_STEP, PublisherConfig, chain_fields, checkpoint_due, encode_and_upload, keyframe_due,
+from .publisher import (MAX_STEP, PublisherConfig, chain_fields, encode_and_upload,
                         prepare_state, resolve_run_id)
 from ..ship.upload import encode_and_upload as upload_chunks
 from ..fleet.retention import gc
@@ -158,8 +159,7 @@ class ShardedPublisher:
         self._commit_exc: BaseException | None = None
         self._base_model_digest: str | None = None
         self._base_link: tuple[str, str] | None = None
-        self._keyframe_version = 0
-        self._since_keyframe = self._since_checkpoint = self._checkpoint_bytes = self._chain_bytes = 0
+        self._cadence = Cadence()
         self._committed: tuple[Manifest, str, str] | None = None  # rank 0: the last commit (for its checkpoint)
         self.run_id: str | None = None
         """The training run (as rank 0 resolved it from HEAD and the config)."""
@@ -370,7 +370,7 @@ class ShardedPublisher:
         except Exception as exc:  # noqa: BLE001 - every rank deletes its chunks
             return {"error": f"rank 0: {type(exc).__name__}: {exc}"}
         total = sum(p["bytes"] for p in parts) + len(blob)
-        self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, total, 0
+        self._cadence.checkpointed(total)
         if self.config.gc_after_checkpoint is not None:
             try:
                 report = gc(self.store, config=self.config.gc_after_checkpoint, now=self._clock, apply=True)
@@ -405,7 +405,7 @@ class ShardedPublisher:
         key = canonical_json(tensors)
         is_key = (force_keyframe is True or key != self._layout or self._base_link is None
                   or any(m["base_version"] != c.version for m in msgs)
-                  or (force_keyframe is None and keyframe_due(self.config, since_keyframe=self._since_keyframe)))
+                  or (force_keyframe is None and self._cadence.keyframe_due(self.config)))
         self._plan_layout = key
         return {"error": None, "version": c.version + 1, "keyframe": is_key, "attempt": self._attempt_id()}
 
@@ -433,18 +433,11 @@ class ShardedPublisher:
             self._commit_exc = exc
             return {"error": f"rank 0: {type(exc).__name__}: {exc}", "manifest_attempted": manifest_attempted}
         delta_bytes = sum(p["bytes"] for p in parts) + outcome.manifest_bytes + outcome.head_bytes
-        if is_key:
-            self._keyframe_version, self._since_keyframe = version, 0
-            self._since_checkpoint, self._checkpoint_bytes, self._chain_bytes = 0, delta_bytes, 0
-        else:
-            self._since_keyframe += 1
-            self._since_checkpoint += 1
-            self._chain_bytes += delta_bytes
+        self._cadence.committed(version, keyframe=is_key, nbytes=delta_bytes)
         self._base_model_digest, self._base_link = manifest.model_digest, (mname, mhash)
         self._layout = self._plan_layout
         self._committed = (manifest, mname, mhash)
-        due = not is_key and checkpoint_due(self.config, since_checkpoint=self._since_checkpoint,
-                                            chain_bytes=self._chain_bytes, checkpoint_bytes=self._checkpoint_bytes)
+        due = not is_key and self._cadence.checkpoint_due(self.config)
         return {"error": None, "manifest_attempted": True, "model_digest": manifest.model_digest, "checkpoint": due,
                 "committed_unix_ms": head.committed_unix_ms, "total_elements": manifest.total_elements,
                 "changed_elements": manifest.changed_elements, "model_bytes": manifest.model_bytes,
@@ -490,7 +483,7 @@ class ShardedPublisher:
         mdigest = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in tensors)
         return Manifest(
             **chain_fields(version, is_key=is_key, head=c.head, base_model_digest=self._base_model_digest,
-                           base_link=self._base_link, keyframe_version=self._keyframe_version),
+                           base_link=self._base_link, keyframe_version=self._cadence.keyframe_version),
             step=step, created_unix_ms=int(self._clock() * 1000), model_digest=mdigest,
             tensors=tuple(tensors), chunks=tuple(chunks), blocks=tuple(blocks),
             changed_elements=sum(p["changed"] for p in parts), files=self._files.entries, run_id=self.run_id)
