@@ -27,7 +27,7 @@ S3_MAX_PARTS = 10_000
 
 @dataclass(kw_only=True, frozen=True)
 class S3Config:
-    """How :class:`~xcluster.store.s3.S3Store` talks to an S3-compatible server."""
+    """How :class:`~xcluster.store.s3.store.S3Store` talks to an S3-compatible server."""
 
     part_size: int = 16 * MiB
     """Bytes per multipart-upload part and per ranged GET (5 MiB … 5 GiB)."""
@@ -44,7 +44,7 @@ class S3Config:
     read_timeout_s: float = 60.0
     """Seconds without a byte from the server before an attempt is abandoned (and retried)."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    """Attempts, deadline and backoff for transient failures (see :mod:`xcluster.retry`).
+    """Attempts, deadline and backoff for transient failures (see :mod:`xcluster.util.retry`).
     botocore's own retries are switched off, so this is the whole policy."""
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     """``path`` (``http://host/bucket/key``) for SeaweedFS, MinIO and most self-hosted servers;
