@@ -180,7 +180,7 @@ def test_a_corrupt_current_version_is_replaced_by_a_verified_copy(tmp_path, monk
     md.switch_current(3)
     _flip_last_byte(path / "model-00001-of-00001.safetensors")
     if not exchange:  # a filesystem without RENAME_EXCHANGE: set aside, then rename
-        monkeypatch.setattr(modeldir, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(modeldir, "exchange_paths", lambda a, b: False)
     assert md.write_version(3, state, {"config.json": b"{}"}) == path
     assert md.current_version() == 3
     got, files = md.load(3)
@@ -193,7 +193,7 @@ def test_the_current_directory_is_swapped_not_emptied(tmp_path):
     """With RENAME_EXCHANGE the path ``current`` names holds a complete version at every moment:
     the bad copy is only deleted once it has been swapped out."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    if not getattr(modeldir, "_exchange", lambda a, b: True)(tmp_path / "a", tmp_path / "b"):
+    if not modeldir.exchange_paths(tmp_path / "a", tmp_path / "b"):
         pytest.skip("this filesystem cannot exchange two paths atomically")
     md = ModelDir(tmp_path / "root")
     state = {"w": torch.arange(10, dtype=torch.float32)}
@@ -436,7 +436,7 @@ def test_shards_are_streamed_from_the_tensors_and_load_with_safetensors(tmp_path
     of a shard); safetensors reads back every dtype bit for bit, 0-d and empty tensors included."""
     from safetensors import safe_open
 
-    from xcluster.follow.modeldir import _stream_safetensors
+    from xcluster.follow.safetensors_file import stream_safetensors as _stream_safetensors
 
     g = torch.Generator().manual_seed(0)
     state = {"bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16), "f32": torch.tensor(1.5),

@@ -25,23 +25,21 @@ handed to them.
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import functools
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
-import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..util.fsutil import fsync_path, write_synced
+from ..util.fsutil import exchange_paths, fsync_path, write_synced
+from .safetensors_file import (ST_DTYPES, bits_equal, nbytes, plain_copy, plan_shards, shard_sizes,
+                               stream_safetensors)
 from ..errors import ConfigError, ModelDirError, UnsafeNameError
 from ..format import check_file_name
 
@@ -54,7 +52,6 @@ TMP_PREFIX = ".tmp-"
 _CURRENT_TMP = ".current.tmp"
 _SHARD_RE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _MAX_INDEX_BYTES = 64 * 2**20
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own cap on a header
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +145,7 @@ class ModelDir:
             tmp.mkdir()
             self._write_into(tmp, state, names, extra)
             fsync_path(tmp, directory=True)
-            if final.exists() and _exchange(tmp, final):
+            if final.exists() and exchange_paths(tmp, final):
                 fsync_path(self._versions, directory=True)
                 shutil.rmtree(tmp)  # now the bad copy
             else:
@@ -165,7 +162,7 @@ class ModelDir:
                     extra: dict[str, bytes]) -> None:
         from safetensors.torch import save_file
 
-        shards = _plan_shards([(n, _nbytes(state[n])) for n in names], self.config.shard_bytes)
+        shards = plan_shards([(n, nbytes(state[n])) for n in names], self.config.shard_bytes)
         weight_map: dict[str, str] = {}
         total = 0
         seen_storage: set[int] = set()
@@ -173,12 +170,12 @@ class ModelDir:
             shard_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
             for name in group:
-                tensors[name] = _plain_copy(state[name], seen_storage)
+                tensors[name] = plain_copy(state[name], seen_storage)
                 weight_map[name] = shard_name
                 total += tensors[name].nbytes
             try:
-                if all(t.dtype in _ST_DTYPES for t in tensors.values()):
-                    _stream_safetensors(tmp / shard_name, tensors, {"format": "pt"})
+                if all(t.dtype in ST_DTYPES for t in tensors.values()):
+                    stream_safetensors(tmp / shard_name, tensors, {"format": "pt"})
                 else:  # a dtype this writer does not name: safetensors' own (it copies each tensor)
                     save_file(tensors, str(tmp / shard_name), metadata={"format": "pt"})
             except Exception as exc:  # safetensors raises plain ValueError/RuntimeError
@@ -281,7 +278,7 @@ class ModelDir:
             by_shard.setdefault(shard, []).append(name)
         seen = 0
         for shard, names in by_shard.items():
-            sizes = _shard_sizes(directory / shard)
+            sizes = shard_sizes(directory / shard)
             if sorted(sizes) != sorted(names):
                 raise ModelDirError(f"{directory / shard} holds {sorted(sizes)[:5]}… but the index maps "
                                     f"{sorted(names)[:5]}… to it; the directory is corrupt")
@@ -309,7 +306,7 @@ class ModelDir:
             for shard, names in by_shard.items():
                 with safe_open(str(directory / shard), framework="pt") as f:
                     for name in names:
-                        if not _bits_equal(f.get_tensor(name), state[name]):
+                        if not bits_equal(f.get_tensor(name), state[name]):
                             return False
         except Exception as exc:  # any read failure means "not verified": rewrite it
             log.warning("existing %s cannot be read back (%r)", directory, exc)
@@ -376,36 +373,6 @@ class ModelDir:
 
 
 # --- helpers -------------------------------------------------------------------------------------
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-@functools.cache
-def _renameat2():
-    """libc's ``renameat2`` (glibc ≥ 2.28), or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths atomically (``renameat2(RENAME_EXCHANGE)``); False where the libc,
-    the kernel or the filesystem cannot, so the caller falls back to two renames."""
-    fn = _renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
 def _is_decimal(name: str) -> bool:
     return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
 
@@ -426,105 +393,3 @@ def _checked_files(files: Mapping[str, bytes]) -> dict[str, bytes]:
             raise ModelDirError(f"extra file {name!r} must be bytes, got {type(data).__name__}")
         out[name] = bytes(data)
     return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _plan_shards(sized: list[tuple[str, int]], limit: int) -> list[list[str]]:
-    """Fill shards in the given order up to ``limit`` bytes; an oversized tensor gets its own shard.
-    There is always at least one shard (an empty state writes one empty file)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, size in sized:
-        if shards[-1] and used + size > limit:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-              torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
-
-def _stream_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file straight from the tensors' memory (``safetensors.torch.save_file``
-    first turns every tensor into a bytes copy: a whole shard more in RAM). The format: an 8-byte
-    little-endian header length, the JSON header (padded with spaces to a multiple of 8), then
-    each tensor's bytes back to back in header order."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for name in names:
-            t = tensors[name]
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _plain_copy(t: torch.Tensor, seen_storage: set[int]) -> torch.Tensor:
-    """A detached, contiguous CPU tensor; a copy if its storage was already written (safetensors
-    refuses shared storage, and tied weights must come back as separate tensors)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
-    ptr = t.untyped_storage().data_ptr()
-    if ptr and ptr in seen_storage:
-        return t.clone()
-    if ptr:
-        seen_storage.add(ptr)
-    return t
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    b = b.detach().to("cpu").contiguous()
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def _shard_sizes(path: Path) -> dict[str, int]:
-    """Tensor name -> byte size from a safetensors header, after checking the header accounts for
-    every byte of the file (no holes, nothing past the end)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            if size < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-            header = json.loads(f.read(n))
-        sizes, end = {}, 0
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, stop = info["data_offsets"]
-            if not 0 <= begin <= stop:
-                raise ValueError(f"{name!r} has offsets {begin}..{stop}")
-            sizes[name] = stop - begin
-            end = max(end, stop)
-        if sum(sizes.values()) != end or 8 + n + end != size:
-            raise ValueError(f"tensors cover {sum(sizes.values())} bytes ending at {end}, the file holds "
-                             f"{size - 8 - n} after the header")
-    except FileNotFoundError:
-        raise ModelDirError(f"{path} is missing; the version directory is incomplete") from None
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise ModelDirError(f"{path} is not a valid safetensors file ({exc}); rewrite this version") from exc
-    return sizes
-
-

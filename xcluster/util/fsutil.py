@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import os
 import threading
 from pathlib import Path
@@ -33,3 +36,33 @@ def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     os.replace(tmp, path)
     if sync_dir:
         fsync_path(path.parent, directory=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2():
+    """libc's ``renameat2`` (glibc ≥ 2.28), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (``renameat2(RENAME_EXCHANGE)``); False where the libc,
+    the kernel or the filesystem cannot, so the caller falls back to two renames."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
