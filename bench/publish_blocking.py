@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from xcluster import Publisher, PublisherConfig
+from xcluster import BackgroundPublisher, Publisher, PublisherConfig
 
 
 def demo_model() -> dict[str, torch.Tensor]:
@@ -58,7 +58,7 @@ def run(name: str, state: dict[str, torch.Tensor], *, background: bool, steps: i
     state = {k: v.clone() for k, v in state.items()}
     g = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as d:
-        pub = Publisher(d, config=PublisherConfig(background=background, keyframe_every=1000))
+        pub = (BackgroundPublisher if background else Publisher)(d, config=PublisherConfig(keyframe_every=1000))
         blocked, tickets = [], []
         t_all = time.perf_counter()
         for s in range(steps):
@@ -70,7 +70,7 @@ def run(name: str, state: dict[str, torch.Tensor], *, background: bool, steps: i
         pub.flush()
         wall = time.perf_counter() - t_all
         committed = pub.version
-        coalesced = pub.background.stats().coalesced if pub.background is not None else 0
+        coalesced = pub.stats().coalesced if background else 0
         lat = [r.publish_seconds for _, r in tickets] if not background else \
             [t.result().committed_unix - (time.time() - (time.perf_counter() - t0))
              for t0, t in tickets if not t.superseded]

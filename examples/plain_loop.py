@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from xcluster import Publisher, PublisherConfig
+from xcluster import BackgroundConfig, BackgroundPublisher, PublisherConfig
 
 
 def main() -> None:
@@ -39,14 +39,14 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(w, 4 * w), torch.nn.GELU(), torch.nn.Linear(4 * w, w),
                                 torch.nn.LayerNorm(w))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    config = PublisherConfig(background=True, snapshot=args.snapshot, checkpoint_every=args.checkpoint_every,
-                             close_timeout_s=args.close_timeout)
+    config = PublisherConfig(checkpoint_every=args.checkpoint_every)
+    background = BackgroundConfig(snapshot=args.snapshot, close_timeout_s=args.close_timeout)
 
     def committed(res) -> None:  # runs in the worker thread
         print(json.dumps({"committed": res.version, "step": res.step, "kind": res.kind,
                           "digest": res.model_digest}), flush=True)
 
-    with Publisher(args.store, config=config, on_commit=committed) as pub:
+    with BackgroundPublisher(args.store, config=config, background=background, on_commit=committed) as pub:
         step = 0
         while args.steps == 0 or step < args.steps:
             x = torch.randn(32, w)
@@ -59,7 +59,7 @@ def main() -> None:
             print(json.dumps({"step": step, "blocked_ms": round(1000 * (time.perf_counter() - t0), 2)}), flush=True)
             step += 1
         # leaving the block flushes: every step is committed (or coalesced into a later one)
-    print(json.dumps({"done": pub.last_result.version, "coalesced": pub.background.coalesced}), flush=True)
+    print(json.dumps({"done": pub.last_result.version, "coalesced": pub.coalesced}), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 TRAINER = textwrap.dedent("""
     import signal, sys, torch
-    from xcluster import Publisher, PublisherConfig
+    from xcluster import BackgroundPublisher, Publisher, PublisherConfig
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))   # the common graceful-shutdown handler
     url, background, seed = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
-    pub = Publisher(url, config=PublisherConfig(keyframe_every=4, background=background))
+    pub = (BackgroundPublisher if background else Publisher)(url, config=PublisherConfig(keyframe_every=4))
     g = torch.Generator().manual_seed(seed)
     w = {f"l{i}": torch.randn(384, 384, generator=g).to(torch.bfloat16) for i in range(4)}
     from xcluster.codec.warm import warm_up

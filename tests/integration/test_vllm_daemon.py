@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.support.vllm_engine import engine_outputs, ensure_engine_venv, start_vllm
-from xcluster import Publisher, PublisherConfig, model_digest
+from xcluster import BackgroundPublisher, PublisherConfig, model_digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
 
     store = str(tmp_path / "store")
     out = tmp_path / "rollout"
-    pub = Publisher(store, files=non_weight_files(tok, cfg), config=PublisherConfig(keyframe_every=10, background=True))
+    pub = BackgroundPublisher(store, files=non_weight_files(tok, cfg), config=PublisherConfig(keyframe_every=10))
     published: dict[int, dict[str, torch.Tensor]] = {}
     w = bf16()
     pub.publish(w, step=0).result(timeout=60)

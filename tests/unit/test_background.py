@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from xcluster import BackgroundPublishError, Publisher, PublisherConfig, PublishTicket, Subscriber
-from xcluster.write.background import take_snapshot
+from xcluster import (BackgroundConfig, BackgroundPublisher, BackgroundPublishError, Publisher, PublisherConfig,
+                      PublishResult, PublishTicket, Subscriber)
+from xcluster.write.snapshot import take_snapshot
 from xcluster.errors import (ConfigError, PublishCancelledError, PublisherClosedError, PublishTimeoutError,
                              StoreError)
 from xcluster.read.chain import find_link, read_head, read_manifest
@@ -68,9 +69,9 @@ def store(tmp_path):
     s.gate.set()  # never leave a worker waiting
 
 
-def background(store, *, on_commit=None, keyframe_every=8, **config) -> Publisher:
-    return Publisher(store=store, on_commit=on_commit,
-                     config=PublisherConfig(background=True, keyframe_every=keyframe_every, **config))
+def background(store, *, on_commit=None, keyframe_every=8, **options) -> BackgroundPublisher:
+    return BackgroundPublisher(store=store, on_commit=on_commit, config=PublisherConfig(keyframe_every=keyframe_every),
+                               background=BackgroundConfig(**options))
 
 
 def committed_steps(store) -> list[int]:
@@ -118,7 +119,7 @@ def test_newer_publish_replaces_the_waiting_one(store):
     store.wait_blocked()
     waiting = [pub.publish(weights(s), step=s) for s in (1, 2, 3)]
     last = pub.publish(weights(4), step=4)
-    assert pub.background.coalesced == 3 and pub.background.stats().pending
+    assert pub.coalesced == 3 and pub.stats().pending
     assert [t.superseded for t in waiting] == [True, True, True] and not last.superseded
     assert waiting[0].superseded_by is waiting[1] and waiting[2].superseded_by is last
     store.gate.set()
@@ -127,7 +128,7 @@ def test_newer_publish_replaces_the_waiting_one(store):
     assert {t.result().version for t in waiting} == {last.result().version} == {2}  # the version that replaced them
     assert last.result().step == 4
     assert committed_steps(store) == [0, 4]  # delta 2 is against committed version 1, never against step 1..3
-    stats = pub.background.stats()
+    stats = pub.stats()
     assert (stats.submitted, stats.committed, stats.coalesced, stats.failed) == (5, 2, 3, 0)
     pub.close()
     assert_state_equal(reconstructed(store), weights(4))
@@ -139,9 +140,9 @@ def test_coalescing_copies_into_the_waiting_buffers(store):
     pub.publish(weights(0), step=0)
     store.wait_blocked()
     pub.publish(weights(1), step=1)
-    ptr = pub.background._pending.snapshot.tensors["w"].data_ptr()
+    ptr = pub._pending.snapshot.tensors["w"].data_ptr()
     pub.publish(weights(2), step=2)
-    assert pub.background._pending.snapshot.tensors["w"].data_ptr() == ptr  # memory: one pending, no new one
+    assert pub._pending.snapshot.tensors["w"].data_ptr() == ptr  # memory: one pending, no new one
     store.gate.set()
     pub.close(timeout=WAIT)
     assert_state_equal(reconstructed(store), weights(2))
@@ -173,7 +174,7 @@ def test_versions_commit_in_order_and_every_one_verifies(store):
     assert steps == sorted(steps) and len(set(steps)) == len(steps) and steps[0] == 0 and steps[-1] == 11
     assert [r.step for r in commits] == steps and [r.version for r in commits] == list(range(1, len(steps) + 1))
     assert tickets[-1].result().version == len(steps) == pub.last_result.version
-    assert pub.background.stats().committed + pub.background.coalesced == 12
+    assert pub.stats().committed + pub.coalesced == 12
     assert_state_equal(reconstructed(store), weights(11))
 
 
@@ -205,7 +206,7 @@ def test_failure_is_raised_by_flush_and_close(store, surface):
         getattr(pub, surface)(timeout=WAIT)
     assert isinstance(info.value.__cause__, StoreError)
     if surface == "close":
-        assert not pub.background._thread.is_alive()
+        assert not pub._thread.is_alive()
     else:
         pub.flush()  # reported once
         assert pub.publish(weights(1), step=1).result(timeout=WAIT).version == 1
@@ -228,7 +229,7 @@ def test_on_commit_error_is_not_swallowed(store):
 def test_close_stops_the_thread_and_refuses_more(store):
     with background(store) as pub:
         pub.publish(weights(0), step=0)
-        thread = pub.background._thread
+        thread = pub._thread
     assert not thread.is_alive()
     assert committed_steps(store) == [0]
     with pytest.raises(PublisherClosedError):
@@ -248,8 +249,8 @@ def test_close_timeout_drops_the_pending_snapshot(store):
         pending.result(timeout=WAIT)
     store.gate.set()  # the version in flight still commits
     assert inflight.result(timeout=WAIT).version == 1
-    pub.background._thread.join(WAIT)
-    assert not pub.background._thread.is_alive()
+    pub._thread.join(WAIT)
+    assert not pub._thread.is_alive()
     assert committed_steps(store) == [0]
 
 
@@ -260,7 +261,7 @@ def test_exit_hook_is_bounded_and_drops_the_pending_snapshot(store, caplog):
     store.wait_blocked()
     pending = pub.publish(weights(1), step=1)
     t0 = time.monotonic()
-    pub.background._shutdown_at_exit()
+    pub._shutdown_at_exit()
     assert time.monotonic() - t0 < 5
     assert "dropping step 1" in caplog.text and "did not commit within close_timeout_s" in caplog.text
     with pytest.raises(PublishCancelledError):
@@ -305,21 +306,57 @@ def test_bad_input_is_refused_at_the_call_without_touching_the_pending_snapshot(
     assert_state_equal(reconstructed(store), weights(1))
 
 
-def test_sync_mode_keeps_returning_results(store):
+def test_sync_publisher_keeps_returning_results(store):
     seen = []
     pub = Publisher(store=store, on_commit=seen.append)
     res = pub.publish({"w": torch.randn(8, 8)}, step=0, dtype=torch.float16)
-    assert res.version == 1 and seen == [res] and pub.last_result == res and pub.background is None
-    pub.flush()
+    assert isinstance(res, PublishResult)
+    assert res.version == 1 and seen == [res] and pub.last_result == res
+    pub.flush()  # nothing to wait for
     pub.close()
+    assert pub.publish({"w": torch.randn(8, 8)}, step=1, dtype=torch.float16).version == 2  # nothing held back
     assert reconstructed(store)["w"].dtype == torch.float16
+
+
+def test_wraps_a_given_publisher(store):
+    inner = Publisher(store=store, config=PublisherConfig(keyframe_every=4))
+    seen = []
+    with BackgroundPublisher(publisher=inner, on_commit=seen.append) as pub:
+        assert pub.publisher is inner and pub.config is inner.config and pub.store is store
+        ticket = pub.publish(weights(0), step=0, files={"config.json": b"{}"})
+        assert isinstance(ticket, PublishTicket)
+        res = ticket.result(timeout=WAIT)
+    assert seen == [res] and inner.last_result == res == pub.last_result and inner.version == pub.version == 1
+    assert inner.publish(weights(1), step=1).version == 2  # the wrapped publisher goes on, synchronously
+    assert committed_steps(store) == [0, 1]
+
+
+def test_wrapping_refuses_mixed_arguments(store):
+    with pytest.raises(ConfigError, match="not both"):
+        BackgroundPublisher(store=store, publisher=Publisher(store=store))
+    with pytest.raises(ConfigError, match="on_commit"):
+        BackgroundPublisher(publisher=Publisher(store=store, on_commit=print))
+    with pytest.raises(ConfigError, match="BackgroundConfig"):
+        BackgroundPublisher(store=store, background=True)
+
+
+def test_step_is_checked_at_the_call(store):
+    pub = background(store)
+    with pytest.raises(ConfigError, match="step"):
+        pub.publish(weights(0), step=-1)
+    assert pub.stats().submitted == 0
+    pub.close()
 
 
 def test_config_is_checked():
     with pytest.raises(ConfigError, match="snapshot"):
-        PublisherConfig(snapshot="gpu")
+        BackgroundConfig(snapshot="gpu")
     with pytest.raises(ConfigError, match="close_timeout_s"):
-        PublisherConfig(close_timeout_s=-1)
+        BackgroundConfig(close_timeout_s=-1)
+    with pytest.raises(TypeError):
+        PublisherConfig(background=True)  # the flag is gone: the class says it
+    with pytest.raises(TypeError):
+        BackgroundConfig("pinned")  # keyword-only
 
 
 @pytest.mark.parametrize("mode", ["device", "pinned"])

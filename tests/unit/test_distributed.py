@@ -342,30 +342,30 @@ def test_needs_an_initialised_process_group(tmp_path):
     ([[["e", "float32", [0, 3], 0, 0]], [["e", "float32", [0, 4], 0, 0]]], "disagree"),
 ])
 def test_layout_must_tile_every_tensor(layouts, problem):
-    from xcluster.write.sharded import _check_layout
+    from xcluster.write.shard_layout import check_layout
 
     with pytest.raises(ShardLayoutError, match=re.escape(problem)):
-        _check_layout(layouts)
+        check_layout(layouts)
 
 
 def test_layout_of_slices_and_whole_tensors():
-    from xcluster.write.sharded import Slice, _check_layout, _prepare
+    from xcluster.write.shard_layout import Slice, check_layout, prepare_shard
 
     w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
-    t0, rows0 = _prepare({"w": Slice(w[:1], offset=0, global_shape=(4, 3)), "b": torch.zeros(2)})
-    t1, rows1 = _prepare({"w": Slice(w[1:], offset=1, global_shape=[4, 3]),
+    t0, rows0 = prepare_shard({"w": Slice(w[:1], offset=0, global_shape=(4, 3)), "b": torch.zeros(2)})
+    t1, rows1 = prepare_shard({"w": Slice(w[1:], offset=1, global_shape=[4, 3]),
                           "b": Slice(torch.zeros(0), offset=2, global_shape=(2,))})  # zero rows: ignored
     assert rows0 == [["b", "float32", [2], 0, 2], ["w", "float32", [4, 3], 0, 3]]
     assert rows1 == [["w", "float32", [4, 3], 3, 9]] and set(t1) == {"w"}
-    assert _check_layout([rows0, rows1])["w"]["parts"] == {"0": 3, "3": 9}
-    assert _check_layout([rows0, rows1])["w"]["ranks"] == {"0": 0, "3": 1}  # who holds each part
-    assert _check_layout([rows1, rows0])["w"]["ranks"] == {"0": 1, "3": 0}  # swapped: another layout
+    assert check_layout([rows0, rows1])["w"]["parts"] == {"0": 3, "3": 9}
+    assert check_layout([rows0, rows1])["w"]["ranks"] == {"0": 0, "3": 1}  # who holds each part
+    assert check_layout([rows1, rows0])["w"]["ranks"] == {"0": 1, "3": 0}  # swapped: another layout
     # a tensor without elements may come from several ranks (nothing to tile), never vanishes
-    _, e0 = _prepare({"e": Slice(torch.zeros(0, 3), offset=0, global_shape=(0, 3))})
-    _, e1 = _prepare({"e": torch.zeros(0, 3)})
-    assert _check_layout([e0, e1])["e"] == {"dtype": "float32", "shape": [0, 3], "parts": {"0": 0},
+    _, e0 = prepare_shard({"e": Slice(torch.zeros(0, 3), offset=0, global_shape=(0, 3))})
+    _, e1 = prepare_shard({"e": torch.zeros(0, 3)})
+    assert check_layout([e0, e1])["e"] == {"dtype": "float32", "shape": [0, 3], "parts": {"0": 0},
                                             "ranks": {"0": 1}}
     for bad in (Slice(w[1:], offset=2, global_shape=(4, 3)), Slice(w, offset=0, global_shape=(4, 4)),
                 Slice(w, offset=-1, global_shape=(4, 3))):
         with pytest.raises(ShardLayoutError, match="not a dim-0 slice"):
-            _prepare({"w": bad})
+            prepare_shard({"w": bad})

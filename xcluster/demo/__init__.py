@@ -155,7 +155,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], Any] = 
 
 def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
 
-    from .. import Publisher, PublisherConfig
+    from .. import BackgroundPublisher, Publisher, PublisherConfig
     from ..codec.digest import model_digest
     from .hfmodel import PRESETS, build_model, non_weight_files
     from .report import StepRow, format_summary, format_table, plot_bytes, summarize
@@ -171,8 +171,8 @@ def _run(config: DemoConfig, echo: Callable[[str], Any]) -> DemoReport:
     model, tokenizer = build_model(hf_cfg, seed=config.seed)
     model = model.float().train()  # fp32 master weights; bf16 is what ships
     files = non_weight_files(tokenizer, hf_cfg)
-    publisher = Publisher(url, files=files,
-                          config=PublisherConfig(checkpoint_every=config.checkpoint_every, background=config.background))
+    publisher_cls = BackgroundPublisher if config.background else Publisher
+    publisher = publisher_cls(url, files=files, config=PublisherConfig(checkpoint_every=config.checkpoint_every))
     first_version = publisher.version + 1
     node = RolloutNode(url, config.out, poll=config.poll, tamper_version=config.tamper_version)
     published = []

@@ -131,11 +131,11 @@ class PolicyGradientTrainer:
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """One step's training stats, what ``publish`` returned (a PublishResult, or a ticket in
-    background mode), how long it blocked the trainer, and the trainer's own digest."""
+    """One step's training stats, what ``publish`` returned (a PublishResult from a Publisher, a
+    PublishTicket from a BackgroundPublisher), how long it blocked the trainer, and the trainer's own digest."""
 
     stats: StepStats
-    result: Any  # xcluster.PublishResult | xcluster.write.background.PublishTicket
+    result: Any  # xcluster.PublishResult | xcluster.PublishTicket
     blocked_seconds: float
     trainer_digest: str
 

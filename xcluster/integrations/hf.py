@@ -4,9 +4,10 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[XclusterCallback("s3://weights/run-42", files=tokenizer_dir)])
 
-Publishing runs in the background (``publish()`` only snapshots the weights), floating-point
-weights are shipped as bf16 by default, and training end flushes: the last version is committed
-before ``trainer.train()`` returns. Only the main process publishes.
+Publishing runs in the background (a :class:`~xcluster.write.background.BackgroundPublisher`:
+``publish()`` only snapshots the weights; pass ``publisher=Publisher(...)`` to publish synchronously),
+floating-point weights are shipped as bf16 by default, and training end flushes: the last version is
+committed before ``trainer.train()`` returns. Only the main process publishes.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..write.background import BackgroundConfig, BackgroundPublisher
 from ..write.publisher import Publisher, PublisherConfig
 
 
 class XclusterCallback(TrainerCallback):
-    def __init__(self, url: str | None = None, *, publisher: Publisher | None = None,
-                 config: PublisherConfig | None = None, dtype: torch.dtype | None = torch.bfloat16,
+    def __init__(self, url: str | None = None, *, publisher: Publisher | BackgroundPublisher | None = None,
+                 config: PublisherConfig | None = None, background: BackgroundConfig | None = None,
+                 dtype: torch.dtype | None = torch.bfloat16,
                  files: str | os.PathLike | Mapping[str, bytes] | None = None, every: int = 1) -> None:
         if publisher is None:
-            publisher = Publisher(url, files=files, config=config or PublisherConfig(background=True))
+            publisher = BackgroundPublisher(url, files=files, config=config, background=background)
         self.publisher = publisher
         self.dtype = dtype
         self.every = every

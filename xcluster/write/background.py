@@ -1,8 +1,14 @@
 """Publish in the background: ``publish()`` returns once the weights are snapshotted.
 
-``Publisher(url, config=PublisherConfig(background=True))`` hands every ``publish()`` to a
-:class:`BackgroundPublisher`: the call copies the tensors (the *snapshot*) and returns a
-:class:`PublishTicket`; one worker thread runs the synchronous publisher (encode, upload,
+:class:`BackgroundPublisher` wraps a :class:`~xcluster.write.publisher.Publisher` (built from
+the same arguments, or given one)::
+
+    pub = BackgroundPublisher("s3://bucket/run", config=PublisherConfig(checkpoint_every=32),
+                              background=BackgroundConfig(snapshot="pinned"))
+    ticket = pub.publish(model.state_dict(), step=step)   # a PublishTicket; .result() waits
+
+Each ``publish()`` copies the tensors (the *snapshot*) and returns a :class:`PublishTicket`;
+one worker thread runs the wrapped publisher's synchronous ``publish()`` (encode, upload,
 commit) on one snapshot at a time.
 
 - **Latest wins.** At most one snapshot waits behind the one in flight. A newer ``publish()``
@@ -26,184 +32,45 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..codec.dtypes import dtype_name
-from ..errors import (BackgroundPublishError, PublishCancelledError, PublisherClosedError, PublishTimeoutError,
-                     XclusterError)
-from ..format import check_tensor_name
+from ..errors import (BackgroundPublishError, ConfigError, PublishCancelledError, PublisherClosedError,
+                      PublishTimeoutError, XclusterError)
+from ..store import Store
+from .publisher import Publisher, PublisherConfig, PublishResult
+from .version import check_step
+from .snapshot import SNAPSHOT_MODES, Snapshot, check_state, take_snapshot
+from .ticket import BackgroundStats, PublishTicket
 
 log = logging.getLogger(__name__)
-SNAPSHOT_MODES = ("device", "pinned")
-
-if TYPE_CHECKING:  # pragma: no cover - publisher imports this module lazily
-    from .publisher import PublishResult
 
 
-# --- snapshot ------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Snapshot:
-    """Private copies of a state_dict, and the CUDA events that mark the copies as done."""
+# --- options -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class BackgroundConfig:
+    """What only background publishing needs (the wrapped publisher keeps its :class:`PublisherConfig`)."""
 
-    tensors: dict[str, torch.Tensor]
-    events: list
+    snapshot: str = "device"
+    """Where the snapshot goes. ``"device"`` copies on the tensors' own device (fastest for the
+    trainer, costs device memory); ``"pinned"`` copies CUDA tensors to page-locked host memory
+    asynchronously (no device memory). On a CPU-only host both are a plain copy."""
+    close_timeout_s: float = 60.0
+    """At interpreter exit (and on leaving a ``with`` block by an exception): how long the version
+    in flight may take to commit before it is abandoned (it stays invisible). The snapshot still
+    waiting is dropped with a warning."""
 
-    def wait(self) -> None:
-        """Block until every asynchronous copy into the buffers has finished."""
-        for ev in self.events:
-            ev.synchronize()
-        self.events = []
-
-
-def target_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """``dtype`` for floating-point tensors when given, else the tensor's own dtype."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
-def check_state(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> None:
-    """Everything ``prepare_state`` would refuse, refused before any buffer is written."""
-    for name, t in state_dict.items():
-        check_tensor_name(name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
-        if t.layout != torch.strided:
-            raise TypeError(f"state_dict[{name!r}] has layout {t.layout}; only dense tensors are supported")
-        dtype_name(target_dtype(t, dtype))
-
-
-def take_snapshot(state_dict: Mapping[str, torch.Tensor], *, mode: str, dtype: torch.dtype | None = None,
-                  reuse: Mapping[str, torch.Tensor] | None = None) -> Snapshot:
-    """Copy ``state_dict`` into contiguous buffers of its own, converting floating-point tensors
-    to ``dtype`` when given.
-
-    ``mode="device"`` keeps each copy on its tensor's device; ``"pinned"`` copies CUDA tensors
-    to page-locked host memory, asynchronously (on a CPU-only host both are a plain copy).
-    Buffers of ``reuse`` whose name, dtype, shape and device match are overwritten instead of
-    allocating. Copies are ordered on the current CUDA stream, so later in-place updates by the
-    optimizer cannot reach them; :meth:`Snapshot.wait` waits for them before the buffers are read.
-    """
-    if mode not in SNAPSHOT_MODES:
-        raise ValueError(f"snapshot mode must be one of {SNAPSHOT_MODES}, got {mode!r}")
-    check_state(state_dict, dtype)
-    pinned = mode == "pinned" and torch.cuda.is_available()
-    reuse = reuse or {}
-    out: dict[str, torch.Tensor] = {}
-    cuda_devices: set[torch.device] = set()
-    for name, t in state_dict.items():
-        t = t.detach()
-        want = target_dtype(t, dtype)
-        device = torch.device("cpu") if pinned else t.device
-        buf = reuse.get(name)
-        if buf is None or buf.dtype != want or buf.shape != t.shape or buf.device != device:
-            buf = torch.empty(t.shape, dtype=want, device=device, pin_memory=pinned)
-        buf.copy_(t, non_blocking=t.is_cuda)
-        if t.is_cuda:
-            cuda_devices.add(t.device)
-        out[name] = buf
-    events = []
-    for dev in cuda_devices:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        events.append(ev)
-    return Snapshot(out, events)
-
-
-# --- tickets -------------------------------------------------------------------------------------
-class PublishTicket:
-    """The handle a background ``publish()`` returns.
-
-    ``result(timeout)`` waits for the :class:`~xcluster.PublishResult` of the version that holds
-    this snapshot. A snapshot replaced by a newer ``publish()`` before its turn came is
-    ``superseded``: it is never published on its own, ``superseded_by`` is the ticket that
-    replaced it, and ``result()`` returns the result of the version that did get committed in
-    its place (following the chain). ``result()`` raises :class:`BackgroundPublishError` if
-    that version failed, :class:`PublishCancelledError` if it was dropped at close or exit, and
-    :class:`PublishTimeoutError` when ``timeout`` runs out.
-    """
-
-    __slots__ = ("seq", "step", "superseded_by", "_done", "_result", "_error")
-
-    def __init__(self, seq: int, step: int | None) -> None:
-        self.seq = seq
-        """Position of this snapshot among the publisher's submissions (1, 2, …)."""
-        self.step = step
-        self.superseded_by: PublishTicket | None = None
-        self._done = threading.Event()
-        self._result: PublishResult | None = None
-        self._error: tuple[type[XclusterError], str, BaseException | None] | None = None
-
-    def __repr__(self) -> str:
-        state = ("superseded" if self.superseded else "failed" if self._error else
-                 f"version {self._result.version}" if self._result else "waiting")
-        return f"PublishTicket(seq={self.seq}, step={self.step}, {state})"
-
-    @property
-    def superseded(self) -> bool:
-        return self.superseded_by is not None
-
-    def _last(self) -> PublishTicket:
-        t = self
-        while t.superseded_by is not None:
-            t = t.superseded_by
-        return t
-
-    def done(self) -> bool:
-        """Has the version holding this snapshot (or what superseded it) been decided?"""
-        t = self._last()
-        return t._done.is_set() and t.superseded_by is None
-
-    def result(self, timeout: float | None = None) -> PublishResult:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        t = self
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not t._done.wait(left):
-                raise PublishTimeoutError(f"publish of step {self.step} (submission {self.seq}) not committed "
-                                          f"within {timeout} s; call result() again to keep waiting")
-            if t.superseded_by is None:
-                break
-            t = t.superseded_by
-        if t._error is not None:
-            cls, msg, cause = t._error
-            raise cls(msg) from cause
-        assert t._result is not None
-        return t._result
-
-    # resolved by BackgroundPublisher, under its lock
-    def _resolve(self, result: PublishResult) -> None:
-        self._result = result
-        self._done.set()
-
-    def _fail(self, cls: type[XclusterError], msg: str, cause: BaseException | None = None) -> None:
-        self._error = (cls, msg, cause)
-        self._done.set()
-
-    def _supersede(self, by: PublishTicket) -> None:
-        self.superseded_by = by
-        self._done.set()
-
-
-@dataclass(frozen=True, slots=True)
-class BackgroundStats:
-    submitted: int
-    """publish() calls accepted."""
-    committed: int
-    """Versions committed by the worker."""
-    coalesced: int
-    """Snapshots replaced by a newer one before their turn (never published on their own)."""
-    failed: int
-    """Background publishes that failed."""
-    cancelled: int
-    """Snapshots dropped at close or exit."""
-    pending: bool
-    in_flight: bool
+    def __post_init__(self) -> None:
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
+        if not self.close_timeout_s >= 0:
+            raise ConfigError(f"close_timeout_s must be >= 0 (seconds), got {self.close_timeout_s}")
 
 
 @dataclass(slots=True)
@@ -213,26 +80,46 @@ class _Job:
     keyframe: bool | None
 
 
-PublishFn = Callable[[dict[str, torch.Tensor], "int | None", "bool | None"], "PublishResult"]
-
-
-# --- the worker ----------------------------------------------------------------------------------
+# --- the publisher -------------------------------------------------------------------------------
 class BackgroundPublisher:
-    """Runs ``publish_fn`` (the synchronous publish) on snapshots, in a worker thread.
+    """A :class:`~xcluster.write.publisher.Publisher` whose ``publish()`` returns a
+    :class:`PublishTicket` once the weights are snapshotted; a worker thread commits them.
 
-    ``where`` names the store in messages; ``on_commit`` is called in the worker thread with each
-    committed :class:`~xcluster.PublishResult`, before its ticket resolves.
+    Built from the arguments of ``Publisher`` (``url``, ``store``, ``config``, ``files``), or
+    wrapping ``publisher=`` (then none of those). ``on_commit`` is called in the worker thread
+    with each committed :class:`~xcluster.PublishResult`, before its ticket resolves; an error it
+    raises is raised by the next call (the version is committed). A wrapped publisher must have
+    no ``on_commit`` of its own: pass it here. ``background`` holds the options of this mode.
     """
 
-    def __init__(self, publish_fn: PublishFn, *, where: str, snapshot: str = "device",
-                 close_timeout_s: float = 60.0, on_commit: Callable[[PublishResult], None] | None = None) -> None:
-        if snapshot not in SNAPSHOT_MODES:
-            raise ValueError(f"snapshot mode must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
-        self._publish_fn = publish_fn
-        self.where = where
-        self.snapshot_mode = snapshot
-        self.close_timeout_s = close_timeout_s
-        self._on_commit = on_commit
+    def __init__(self, url: str | None = None, *, store: Store | None = None, config: PublisherConfig | None = None,
+                 files: str | os.PathLike | Mapping[str, bytes] | None = None,
+                 on_commit: Callable[[PublishResult], None] | None = None, publisher: Publisher | None = None,
+                 background: BackgroundConfig | None = None, clock: Callable[[], float] | None = None,
+                 attempt_id: Callable[[], str] | None = None) -> None:
+        if background is None:
+            background = BackgroundConfig()
+        elif not isinstance(background, BackgroundConfig):
+            raise ConfigError(f"background must be a BackgroundConfig, got {background!r}")
+        if publisher is None:
+            hooks = {k: v for k, v in (("clock", clock), ("attempt_id", attempt_id)) if v is not None}
+            publisher = Publisher(url, store=store, config=config, files=files, **hooks)
+        else:
+            given = [k for k, v in (("url", url), ("store", store), ("config", config), ("files", files),
+                                    ("clock", clock), ("attempt_id", attempt_id)) if v is not None]
+            if given:
+                raise ConfigError(f"BackgroundPublisher: pass publisher= or the arguments to build one, not both "
+                                  f"(got publisher= and {', '.join(given)})")
+            if not isinstance(publisher, Publisher):
+                raise TypeError(f"publisher must be a Publisher, got {type(publisher).__name__}")
+            if publisher.on_commit is not None:
+                raise ConfigError("the wrapped Publisher has an on_commit: pass it to BackgroundPublisher instead, "
+                                  "which calls it in the worker thread and reports its errors")
+        self.publisher = publisher
+        """The wrapped synchronous publisher (the worker thread calls its ``publish()``)."""
+        self.background = background
+        self.on_commit = on_commit
+        self.where = publisher.store.url
         self._cond = threading.Condition()
         self._submit_lock = threading.Lock()  # one snapshot at a time
         self._pending: _Job | None = None
@@ -248,12 +135,46 @@ class BackgroundPublisher:
         self._thread.start()
         _register(self)
 
+    # --- what the wrapped publisher knows -------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        return self.publisher.store
+
+    @property
+    def config(self) -> PublisherConfig:
+        return self.publisher.config
+
+    @property
+    def run_id(self) -> str:
+        """The training run every version of this publisher belongs to."""
+        return self.publisher.run_id
+
+    @property
+    def signing_key_id(self) -> str | None:
+        return self.publisher.signing_key_id
+
+    @property
+    def version(self) -> int:
+        """The newest committed version on the store, as the publisher knows it (0 = none)."""
+        return self.publisher.version
+
+    @property
+    def last_result(self) -> PublishResult | None:
+        """The newest version the worker committed."""
+        return self.publisher.last_result
+
     # --- the trainer's side ---------------------------------------------------------------------
-    def submit(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
-               keyframe: bool | None = None, dtype: torch.dtype | None = None) -> PublishTicket:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
+                keyframe: bool | None = None, dtype: torch.dtype | None = None,
+                files: str | os.PathLike | Mapping[str, bytes] | None = None) -> PublishTicket:
         """Snapshot ``state_dict`` and queue it; returns as soon as the copy is made (or enqueued
-        on the CUDA stream). Raises the first unreported background failure instead of
-        submitting (see :class:`BackgroundPublishError`)."""
+        on the CUDA stream), with the :class:`PublishTicket` of that snapshot. Arguments as for
+        :meth:`Publisher.publish <xcluster.write.publisher.Publisher.publish>` (``dtype`` converts
+        while copying; ``files`` applies from the next version committed). Raises the first
+        unreported background failure instead of submitting (see :class:`BackgroundPublishError`)."""
+        step = check_step(step)
+        if files is not None:
+            self.publisher.set_files(files)
         check_state(state_dict, dtype)  # refuse bad input before touching the pending snapshot
         with self._submit_lock:
             with self._cond:
@@ -263,7 +184,7 @@ class BackgroundPublisher:
                 reuse = old.snapshot.tensors if old is not None else self._spare
                 self._spare = None
             try:
-                snap = take_snapshot(state_dict, mode=self.snapshot_mode, dtype=dtype, reuse=reuse)
+                snap = take_snapshot(state_dict, mode=self.background.snapshot, dtype=dtype, reuse=reuse)
             except BaseException:
                 with self._cond:
                     if old is not None:  # its buffers may be half overwritten: it cannot be published
@@ -319,6 +240,18 @@ class BackgroundPublisher:
             if idle and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
             _LIVE.discard(self)
+
+    def __enter__(self) -> BackgroundPublisher:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # already failing: stop, but do not mask the original error
+            self.close(self.background.close_timeout_s)
+        except XclusterError:
+            log.exception("closing the publisher for %s after an error", self.where)
 
     def stats(self) -> BackgroundStats:
         with self._cond:
@@ -377,15 +310,16 @@ class BackgroundPublisher:
         result = failure = None
         try:
             job.snapshot.wait()
-            result = self._publish_fn(job.snapshot.tensors, step, job.keyframe)
+            result = self.publisher.publish(job.snapshot.tensors, step=step, keyframe=job.keyframe)
         except Exception as exc:
             failure = exc
             log.warning("%s: background publish of step %s failed: %s: %s", self.where, step,
                         type(exc).__name__, exc)
         callback_error = None
-        if result is not None and self._on_commit is not None:
+        on_commit = self.on_commit
+        if result is not None and on_commit is not None:
             try:
-                self._on_commit(result)
+                on_commit(result)
             except Exception as exc:
                 callback_error = exc
                 log.exception("%s: on_commit raised for version %d", self.where, result.version)
@@ -417,8 +351,8 @@ class BackgroundPublisher:
     # --- interpreter exit -----------------------------------------------------------------------
     def _shutdown_at_exit(self) -> None:
         """Drop the pending snapshot, give the one in flight ``close_timeout_s`` to commit."""
-        deadline = time.monotonic() + self.close_timeout_s
-        if not self._cond.acquire(timeout=self.close_timeout_s):
+        deadline = time.monotonic() + self.background.close_timeout_s
+        if not self._cond.acquire(timeout=self.background.close_timeout_s):
             log.error("%s: background publisher busy at exit; abandoning it (uncommitted work stays invisible)",
                       self.where)
             return
@@ -435,11 +369,11 @@ class BackgroundPublisher:
             if self._inflight is not None:
                 step = self._inflight.ticket.step
                 log.info("%s: interpreter exiting: waiting up to %.0f s for step %s to commit",
-                         self.where, self.close_timeout_s, step)
+                         self.where, self.background.close_timeout_s, step)
                 if not self._cond.wait_for(lambda: self._inflight is None, max(0.0, deadline - time.monotonic())):
                     log.error("%s: step %s did not commit within close_timeout_s=%.0f; abandoning it (it stays "
                               "invisible; the next publisher removes its objects)", self.where, step,
-                              self.close_timeout_s)
+                              self.background.close_timeout_s)
         finally:
             self._cond.release()
 

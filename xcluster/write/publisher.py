@@ -10,39 +10,32 @@ never deletes anything HEAD could come to name, so no interruption can break a c
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..util import heap
 from .base import BASE_ON, BaseCopy, host_copy, tensor_digests
-from ..codec.encode import CodecConfig, EncodedVersion
+from ..codec.encode import CodecConfig
 from .cadence import Cadence
 from .commit import Committer, InFlight, LateCommitError, seal
 from ..codec.digest import model_digest_from
-from ..codec.dtypes import dtype_name
-from ..errors import ConfigError, FormatError, XclusterError
+from ..errors import ConfigError, FormatError
 from .files import FileSet, collect_files
-from ..format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Manifest, ManifestLink, check_run_id,
-                     check_tensor_name, chunk_key, manifest_key, manifest_name_for)
+from ..format import (DELTA, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Manifest, check_run_id, manifest_key,
+                     manifest_name_for)
 from ..fleet.retention import RetentionConfig, gc
 from ..trust.signing import load_signer
 from ..store import Store, resolve_store
-from ..ship.upload import encode_and_upload as upload_chunks
 from ..ship.checkpoint import write_checkpoint
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .background import PublishTicket
+from .version import chain_fields, check_step, encode_and_upload, prepare_state, resolve_run_id
 
 log = logging.getLogger(__name__)
-MAX_STEP = (1 << 53) - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,16 +69,6 @@ class PublisherConfig:
     """Run retention (``xcluster gc --apply`` with these settings) after each checkpoint written:
     what HEAD and live subscribers need stays, the rest goes once past its grace. None: never
     (run ``xcluster gc`` yourself, or use the bucket's lifecycle rules; see docs/RETENTION.md)."""
-    background: bool = False
-    """``publish()`` returns once the weights are snapshotted (a :class:`~xcluster.write.background.PublishTicket`);
-    encode, upload and commit run in a worker thread, newest snapshot first (see xcluster/write/background.py)."""
-    snapshot: str = "device"
-    """Background mode: where the snapshot goes. ``"device"`` copies on the tensors' own device (fastest
-    for the trainer, costs device memory); ``"pinned"`` copies CUDA tensors to page-locked host memory
-    asynchronously (no device memory). On a CPU-only host both are a plain copy."""
-    close_timeout_s: float = 60.0
-    """Background mode, at interpreter exit: how long the version in flight may take to commit before it
-    is abandoned (it stays invisible). The snapshot still waiting is dropped with a warning."""
     signing_key: str | None = None
     """Path of an Ed25519 private key (PEM, from ``xcluster keygen``): every manifest and HEAD is
     signed with it. None: ``$XCLUSTER_SIGNING_KEY`` / ``$XCLUSTER_SIGNING_KEY_FILE`` when set, else
@@ -115,12 +98,8 @@ class PublisherConfig:
             raise ConfigError("upload_workers and max_inflight_chunks must be >= 1")
         if self.checkpoint_chain_fraction is not None and not self.checkpoint_chain_fraction > 0:
             raise ConfigError(f"checkpoint_chain_fraction must be > 0 or None, got {self.checkpoint_chain_fraction}")
-        if self.snapshot not in ("device", "pinned"):
-            raise ConfigError(f"snapshot must be 'device' or 'pinned', got {self.snapshot!r}")
         if self.base_on not in BASE_ON:
             raise ConfigError(f"base_on must be 'device' or 'host', got {self.base_on!r}")
-        if not self.close_timeout_s >= 0:
-            raise ConfigError(f"close_timeout_s must be >= 0 (seconds), got {self.close_timeout_s}")
         if self.run_id is not None:
             try:
                 check_run_id(self.run_id)
@@ -154,28 +133,11 @@ class PublishResult:
         return 8 * self.bytes_written / self.changed_elements if self.changed_elements else 0.0
 
 
-def prepare_state(state_dict: Mapping[str, torch.Tensor], *, keep_device: bool = False) -> dict[str, torch.Tensor]:
-    """Validate names and dtypes; return contiguous CPU tensors (no copy when already so), or with
-    ``keep_device`` contiguous tensors on their own devices (for the scan on the device)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state_dict.items():
-        check_tensor_name(name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
-        dtype_name(t.dtype)
-        t = t.detach()
-        if t.dtype == torch.bool:  # a bool byte other than 0/1 (a view of uint8) would not survive a copy
-            t = t.view(torch.uint8).ne(0) if t.numel() else t
-        if t.device.type != "cpu" and not keep_device:
-            t = t.cpu()
-        if t.is_sparse or t.layout != torch.strided:
-            raise TypeError(f"state_dict[{name!r}] has layout {t.layout}; only dense tensors are supported")
-        out[name] = t.contiguous()
-    return out
-
-
 class Publisher:
     """Publishes versions of a model's weights to ``url`` (a path or fsspec/s3 URL).
+
+    ``publish()`` returns once the version is committed. To return once the weights are
+    snapshotted instead, wrap it: :class:`~xcluster.write.background.BackgroundPublisher`.
 
     One publisher per prefix. A second one is detected by the conditional writes and refused
     with :class:`ConcurrentPublisherError`; neither can damage what the other committed.
@@ -204,17 +166,10 @@ class Publisher:
         if files is not None:
             self._files.set(collect_files(files))
         self.on_commit = on_commit
-        """Called with each committed PublishResult (in background mode, from the worker thread)."""
+        """Called with each committed PublishResult, before ``publish()`` returns it (an error it
+        raises is raised by ``publish()``; the version is committed whatever)."""
         self.last_result: PublishResult | None = None
         """The newest version this publisher committed."""
-        self.background = None
-        """The :class:`~xcluster.write.background.BackgroundPublisher` in background mode (``.stats()``), else None."""
-        if self.config.background:
-            from .background import BackgroundPublisher
-
-            self.background = BackgroundPublisher(
-                self._publish_sync, where=self.store.url, snapshot=self.config.snapshot,
-                close_timeout_s=self.config.close_timeout_s, on_commit=lambda r: self.on_commit and self.on_commit(r))
 
     def _run_id(self, head: Head | None) -> str:
         return resolve_run_id(self.config.run_id, head, self.store.url)
@@ -229,9 +184,17 @@ class Publisher:
         """The newest committed version on the store, as this publisher knows it (0 = none)."""
         return self._committer.version
 
+    def set_files(self, files: str | os.PathLike | Mapping[str, bytes]) -> None:
+        """Replace the non-weight files (a model directory, whose non-weight files are taken, or
+        name → bytes) from the next version on; they are uploaded only when they change. Waits
+        for a publish in progress to finish."""
+        collected = collect_files(files)
+        with self._lock:
+            self._files.set(collected)
+
     def publish(self, state_dict: Mapping[str, torch.Tensor], *, step: int | None = None,
                 keyframe: bool | None = None, dtype: torch.dtype | None = None,
-                files: str | os.PathLike | Mapping[str, bytes] | None = None) -> PublishResult | PublishTicket:
+                files: str | os.PathLike | Mapping[str, bytes] | None = None) -> PublishResult:
         """Encode, upload and commit ``state_dict`` as the next version; returns once committed.
 
         ``keyframe=True`` forces a keyframe (e.g. after a subscriber reported a bad apply).
@@ -239,52 +202,31 @@ class Publisher:
         ``files`` (a model directory, whose non-weight files are taken, or name → bytes) replaces
         the non-weight files from this version on; they are uploaded only when they change.
         On failure nothing becomes visible and the next call retries the same version number.
-        In background mode, returns a :class:`~xcluster.write.background.PublishTicket` once the
-        weights are snapshotted (see xcluster/write/background.py).
         """
-        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-                                 or not 0 <= int(step) <= MAX_STEP):
-            raise ConfigError(f"step must be an integer in [0, 2**53-1] or None, got {step!r}")
-        step = None if step is None else int(step)
+        step = check_step(step)
         if files is not None:
-            with self._lock:
-                self._files.set(collect_files(files))
-        if self.background is not None:
-            return self.background.submit(state_dict, step=step, keyframe=keyframe, dtype=dtype)
+            self.set_files(files)
         if dtype is not None:
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        result = self._publish_sync(state_dict, step, keyframe)
+        with self._lock:
+            result = self.last_result = self._publish(state_dict, step, keyframe)
         if self.on_commit is not None:
             self.on_commit(result)
         return result
 
-    def _publish_sync(self, state_dict, step, keyframe) -> PublishResult:
-        with self._lock:
-            self.last_result = self._publish(state_dict, step, keyframe)
-            return self.last_result
-
     def flush(self, timeout: float | None = None) -> None:
-        """Background mode: wait until everything published so far is committed, or raise the
-        failure (BackgroundPublishError) / PublishTimeoutError. Nothing to do otherwise."""
-        if self.background is not None:
-            self.background.flush(timeout)
+        """Nothing to wait for: ``publish()`` returns once committed. (The same call on a
+        :class:`~xcluster.write.background.BackgroundPublisher` waits for its worker.)"""
 
     def close(self, timeout: float | None = None) -> None:
-        """Background mode: flush, then stop the worker thread. Later publish() calls are refused."""
-        if self.background is not None:
-            self.background.close(timeout)
+        """Nothing to stop: a publisher holds no thread. (The same call on a
+        :class:`~xcluster.write.background.BackgroundPublisher` flushes and stops its worker.)"""
 
     def __enter__(self) -> Publisher:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # already failing: stop, but do not mask the original error
-            self.close(self.config.close_timeout_s)
-        except XclusterError:
-            log.exception("closing the publisher for %s after an error", self.store.url)
+        self.close()
 
     def _publish(self, state_dict, step, force_keyframe) -> PublishResult:
         try:
@@ -416,41 +358,3 @@ class Publisher:
                            attempt: str):
         return encode_and_upload(self.store, self.config, version, new, digests, base, written=written, tags=tags,
                                  chunk_prefix=f"c{attempt}")
-
-
-def chain_fields(version: int, *, is_key: bool, head: Head | None, base_model_digest: str | None,
-                 base_link: tuple[str, str] | None, keyframe_version: int) -> dict:
-    """The manifest fields that place ``version`` in the chain (FORMAT.md §3): its kind, its base
-    link for a delta (the version HEAD names: ``base_link`` is its manifest name and hash), its
-    keyframe, and ``prev_manifest`` (HEAD's manifest, keyframes included)."""
-    assert is_key or (base_link is not None and head is not None)
-    return dict(
-        version=version, kind=KEYFRAME if is_key else DELTA,
-        base_version=None if is_key else head.version,
-        base_model_digest=None if is_key else base_model_digest,
-        base_manifest_xxh3_128=None if is_key else base_link[1],
-        base_manifest=None if is_key else base_link[0],
-        keyframe_version=version if is_key else keyframe_version,
-        prev_manifest=None if head is None else ManifestLink(head.version, head.manifest, head.manifest_xxh3_128))
-
-
-def resolve_run_id(want: str | None, head: Head | None, url: str) -> str:
-    """The run a publisher writes: HEAD's (a different ``want`` is refused), else ``want`` or a new one."""
-    if head is not None and head.run_id is not None:
-        if want is not None and want != head.run_id:
-            raise ConfigError(f"{url} holds run {head.run_id!r} (HEAD version {head.version}); this "
-                              f"publisher was given run_id {want!r}: use a new prefix for a new run")
-        return head.run_id
-    return want or secrets.token_hex(8)
-
-
-def encode_and_upload(store: Store, config: PublisherConfig, version: int, new: Mapping[str, torch.Tensor],
-                      digests: Mapping[str, str], base: Mapping[str, torch.Tensor] | None, *, written: list[str],
-                      tags: dict[str, str], chunk_prefix: str) -> tuple[EncodedVersion, int]:
-    """Encode ``new`` (against ``base``, or as a keyframe) into chunks ``<chunk_prefix>-NNNNNN.xc``
-    of ``version`` and upload them while encoding continues (see :func:`xcluster.ship.upload.encode_and_upload`)."""
-    # Chunk names are unique to this attempt, so a publisher that loses the race for a
-    # version number (or retries one) never overwrites or deletes another attempt's chunks.
-    return upload_chunks(store, config.codec, new, digests, base, key_of=lambda n: chunk_key(version, n),
-                         written=written, tags=tags, chunk_prefix=chunk_prefix, upload_workers=config.upload_workers,
-                         max_inflight_chunks=config.max_inflight_chunks)
