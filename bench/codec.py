@@ -35,13 +35,14 @@ import torch
 import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
-from xcluster.format import CORE_ENCODINGS
+from xcluster.codec.encoding import core_names
 from xcluster.codec.decode import Fill, decode_block, fill
 from xcluster.codec.encode import encode_version
 from xcluster.codec.digest import tensor_digest
 from xcluster.codec.dtypes import flat_bits
 from xcluster.format.packing import unpack
 from xcluster.store import open_store
+CORE_ENCODINGS = core_names()
 
 
 def make_master(scale: float, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xcluster.codec import exprank  # noqa: E402
-from xcluster.codec.expgroup import group_ranks  # noqa: E402
+from xcluster.codec.kernels import exprank  # noqa: E402
+from xcluster.codec.encodings.sparse_exp2 import group_ranks  # noqa: E402
 from xcluster.codec.dtypes import np_bits  # noqa: E402
 
 DENSITIES = (0.001, 0.01, 0.03, 0.05, 0.1)

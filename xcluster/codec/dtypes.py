@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
+from .kernels.changes import UINT  # the one definition (torch-free), used here for views
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("xcluster's format is little-endian; big-endian hosts are not supported")
@@ -40,7 +41,6 @@ _NAME_OF = {v: k for k, v in _DTYPES.items()}
 
 # width in bytes -> (signed torch dtype used for views, unsigned numpy dtype used for arithmetic)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,10 +16,11 @@ import torch
 
 from .dtypes import UINT, dtype_name, flat_bits, np_bits
 from ..errors import ConfigError
-from ..format import (CORE_ENCODINGS, DENSE_SUB, ENCODINGS, FULL_DTYPES, FULL_EXP, INIT_BASE, INIT_NONE, PLANES,
-                      SPARSE_EXP2, SPARSE_SUB, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128)
-from . import expgroup, fullexp, scan_torch, streams
-from .changes import find_changes, join_planes, sparse_sub_pieces, split_planes, zigzag_diff
+from ..format import INIT_BASE, INIT_NONE, BlockEntry, ChunkEntry, Segment, StreamEntry, TensorEntry, xxh3_128
+from . import scan_torch, streams
+from .encoding import DENSE, FILL, SPARSE, Encoding, RangeInput, core_names, core_of, get, names, offered, stored_bytes
+from .encodings import dense_sub, planes, sparse_sub
+from .kernels.changes import find_changes, join_planes
 
 SCANS = ("auto", "numpy", "torch")
 
@@ -48,7 +49,7 @@ class CodecConfig:
     the host (codec/scan_torch.py); ``"auto"``: torch for tensors that are not on the CPU, numpy
     for the rest. All three write the same bytes."""
 
-    encodings: tuple[str, ...] = ENCODINGS
+    encodings: tuple[str, ...] = field(default_factory=names)
     """The encodings this writer may use (docs/FORMAT.md §5); it always writes the smallest of those
     allowed, per range. Must hold the core (``planes``, ``sparse-sub``, ``dense-sub``). The default,
     every encoding, is the smallest: on real weights (bench/codec.py --real) ``sparse-exp2`` takes
@@ -60,7 +61,7 @@ class CodecConfig:
     Speed: applying ``sparse-exp2`` reads every element of a range (about 0.5 ns each, one pass
     over the base), ``sparse-sub`` only the changes; measured with numba, 1% changed, 2 cores:
     apply 2.4-2.6 GB/s against 3.6-3.7 GB/s, encode 1.3-1.4 GB/s against about 2 (bench/apply.py).
-    A node far from its WAN limit may prefer ``CORE_ENCODINGS + ("full-exp",)``."""
+    A node far from its WAN limit may prefer ``("dense-sub", "full-exp", "planes", "sparse-sub")``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:
@@ -81,21 +82,11 @@ class CodecConfig:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.scan not in SCANS:
             raise ConfigError(f"scan must be one of {', '.join(map(repr, SCANS))}, got {self.scan!r}")
-        unknown = [e for e in self.encodings if e not in ENCODINGS]
-        if unknown or not set(CORE_ENCODINGS) <= set(self.encodings):
-            raise ConfigError(f"encodings must name only {', '.join(ENCODINGS)} and hold the core "
-                              f"({', '.join(CORE_ENCODINGS)}), got {self.encodings!r}")
-        object.__setattr__(self, "encodings", tuple(e for e in ENCODINGS if e in self.encodings))
-
-    @property
-    def exp_groups(self) -> bool:
-        """Whether ``sparse-exp2`` may be written."""
-        return SPARSE_EXP2 in self.encodings
-
-    @property
-    def exp_full(self) -> bool:
-        """Whether ``full-exp`` may be written."""
-        return FULL_EXP in self.encodings
+        known, core = names(), core_names()
+        if any(e not in known for e in self.encodings) or not set(core) <= set(self.encodings):
+            raise ConfigError(f"encodings must name only {', '.join(known)} and hold the core "
+                              f"({', '.join(core)}), got {self.encodings!r}")
+        object.__setattr__(self, "encodings", tuple(e for e in known if e in self.encodings))
 
     def scans_with_torch(self, t: torch.Tensor) -> bool:
         """Is ``t`` scanned with torch ops (on its own device) rather than on the host?"""
@@ -161,10 +152,11 @@ class _Packer:
     def add(self, encoding: str, width: int, seg: _Seg) -> None:
         key = (encoding, width)
         self.open.setdefault(key, []).append(seg)
-        # a block's size is what decoding it costs: its streams' bytes, or for sparse-exp2 the bits
-        # of the base it groups (every element of the range is read), so such a delta still
-        # splits into blocks that decode in parallel
-        work = (seg.seg.count * width if encoding in (SPARSE_EXP2, FULL_EXP)
+        # a block's size is what decoding it costs: its streams' bytes, or the bits of the range
+        # where its encoding fills them or reads every element of the base (sparse-exp2), so such
+        # a delta still splits into blocks that decode in parallel
+        enc = get(encoding)
+        work = (seg.seg.count * width if enc.kind == FILL or enc.reads_range
                 else sum(s.nbytes for s in seg.streams))
         self.open_bytes[key] = self.open_bytes.get(key, 0) + work
         if self.open_bytes[key] >= self.cfg.block_bytes:
@@ -175,12 +167,13 @@ class _Packer:
         self.open_bytes.pop(key)
         n_streams = len(segs[0].streams)
         level = self.cfg.zstd_level
+        enc = get(key[0])
 
         def work() -> list[tuple[str, bytes, int]]:
             out = []
             for i in range(n_streams):
                 pieces = [s.streams[i] for s in segs]
-                codec, payload = streams.compress(pieces, level=_level(key[0], i, level))
+                codec, payload = streams.compress(pieces, level=enc.stream_level(i, level))
                 out.append((codec, payload, sum(p.nbytes for p in pieces)))
             return out
 
@@ -238,6 +231,7 @@ class ScannedRange:
     name: str
     start: int
     end: int
+    kind: str  # FILL, DENSE or SPARSE (codec/encoding.py)
     encoding: str
     width: int
     seg: _Seg
@@ -254,33 +248,33 @@ def _host_bits(t: torch.Tensor, start: int, end: int) -> np.ndarray:
 
 
 def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config: CodecConfig) -> ScannedRange | None:
-    """Scan and transform one range (None: nothing changed)."""
+    """Scan and transform one range (None: nothing changed): the scan finds which kind of range it
+    is and writes it in that kind's core encoding, then the other allowed encodings of the kind
+    are offered it (codec/encoding.py)."""
     w = new.element_size()
     count = r.end - r.start
+    dtype = dtype_name(new.dtype)
     if config.scans_with_torch(new):
-        exp_dtype = _exp_dtype(new, config)
-        out = scan_torch.scan_range(new, None if r.full else old, r.start, r.end, config.dense_threshold,
-                                    exp_dtype)
+        extra = () if r.full else _offers(SPARSE, dtype, config)
+        prepare = (lambda ob, pos: [e.on_device(ob, pos, dtype) for e in extra]) if extra else None
+        out = scan_torch.scan_range(new, None if r.full else old, r.start, r.end, config.dense_threshold, prepare)
         if out is None:
             return None
-        kind, planes, nnz, pos, values, exp = out
-        encoding = {"planes": PLANES, "dense": DENSE_SUB, "sparse": SPARSE_SUB}[kind]
-        if encoding == PLANES and _coded_full(new, count, config):
-            encoding, planes = _full(planes, join_planes(planes, UINT[w]), config)
-        if exp is not None and nnz >= EXP_MIN_CHANGES:
-            order, ranks, sizes, counts = exp
-            z = join_planes(planes[4:], UINT[w])
-            encoding, planes = _smaller(planes, lambda: expgroup.pack(exp_dtype, counts, sizes, ranks, z[order]),
-                                        count, config)
-        seg = Segment(r.t_idx, r.start, count, nnz if kind == "sparse" else count)
-        return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(seg, planes), nnz, pos, values)
+        found, pieces, nnz, pos, values, prep = out
+        kind = {"planes": FILL, "dense": DENSE, "sparse": SPARSE}[found]
+        ri = RangeInput(dtype, w, count, nnz)
+        if kind == FILL and _offers(FILL, dtype, config):
+            ri.bits = join_planes(pieces, UINT[w])
+        elif kind == SPARSE and extra:
+            ri.z = sparse_sub.SparseSub.diffs(pieces, w)
+        encoding, pieces = _choose(kind, ri, pieces, config, prep)
+        seg = Segment(r.t_idx, r.start, count, nnz if kind == SPARSE else count)
+        return ScannedRange(r.name, r.start, r.end, kind, encoding, w, _Seg(seg, pieces), nnz, pos, values)
     nnp = _host_bits(new, r.start, r.end)
     if r.full:
-        encoding, pieces = PLANES, split_planes(nnp)
-        if _coded_full(new, count, config):
-            encoding, pieces = _full(pieces, nnp, config)
-        return ScannedRange(r.name, r.start, r.end, encoding, w, _Seg(Segment(r.t_idx, r.start, count, count),
-                                                                    pieces), count, None, None)
+        encoding, pieces = _choose(FILL, RangeInput(dtype, w, count, count, bits=nnp), planes.Planes.encode(nnp), config)
+        return ScannedRange(r.name, r.start, r.end, FILL, encoding, w,
+                            _Seg(Segment(r.t_idx, r.start, count, count), pieces), count, None, None)
     assert old is not None
     onp = _host_bits(old, r.start, r.end)
     pos, ov, nv = find_changes(onp, nnp)
@@ -288,15 +282,34 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     if nnz == 0:
         return None
     if nnz >= config.dense_threshold * count:
-        z = zigzag_diff(onp, nnp)
-        return ScannedRange(r.name, r.start, r.end, DENSE_SUB, w, _Seg(Segment(r.t_idx, r.start, count, count),
-                                                                       split_planes(z)), nnz, None, None)
-    pieces, z = sparse_sub_pieces(pos, ov, nv)
-    encoding = SPARSE_SUB
-    if nnz >= EXP_MIN_CHANGES and (exp_dtype := _exp_dtype(new, config)) is not None:
-        encoding, pieces = _smaller(pieces, lambda: expgroup.build(onp, pos, z, exp_dtype), count, config)
+        encoding, pieces = _choose(DENSE, RangeInput(dtype, w, count, count, bits=nnp, old=onp),
+                                   dense_sub.DenseSub.encode(onp, nnp), config)
+        return ScannedRange(r.name, r.start, r.end, DENSE, encoding, w,
+                            _Seg(Segment(r.t_idx, r.start, count, count), pieces), nnz, None, None)
+    pieces, z = sparse_sub.SparseSub.encode(pos, ov, nv)
+    encoding, pieces = _choose(SPARSE, RangeInput(dtype, w, count, nnz, old=onp, pos=pos, z=z), pieces, config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
-    return ScannedRange(r.name, r.start, r.end, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()), None)
+    return ScannedRange(r.name, r.start, r.end, SPARSE, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()),
+                        None)
+
+
+def _offers(kind: str, dtype: str, config: CodecConfig) -> tuple[Encoding, ...]:
+    """The non-core encodings allowed by ``config`` that may carry a ``kind`` range of ``dtype``."""
+    return tuple(e for e in offered(kind, config.encodings) if e.dtypes is None or dtype in e.dtypes)
+
+
+def _choose(kind: str, r: RangeInput, pieces: list[np.ndarray], config: CodecConfig, device: list | None = None
+            ) -> tuple[str, list[np.ndarray]]:
+    """The encoding and pieces of one range: the core encoding of ``kind`` (``pieces``), then each
+    other allowed encoding of the kind offered the range and the best pieces so far, in name
+    order; ``device[i]``: what the i-th one's ``on_device`` found (torch scan)."""
+    enc = core_of(kind)
+    for i, e in enumerate(_offers(kind, r.dtype, config)):
+        r.device = device[i] if device is not None else None
+        got = e.offer(r, pieces, lambda enc=enc, pieces=pieces: stored_bytes(enc, pieces, config.zstd_level), config)
+        if got is not None:
+            enc, pieces = e, got
+    return enc.name, pieces
 
 
 def _absolute(pos: np.ndarray, start: int, numel: int) -> np.ndarray:
@@ -305,90 +318,6 @@ def _absolute(pos: np.ndarray, start: int, numel: int) -> np.ndarray:
     if numel <= 1 << 32:
         return np.add(pos, start, dtype=np.uint32, casting="unsafe")
     return pos + start
-
-
-def _exp_dtype(t: torch.Tensor, config: CodecConfig) -> str | None:
-    """The dtype name when ``t``'s sparse ranges may be written as sparse-exp2, else None."""
-    if not config.exp_groups:
-        return None
-    name = dtype_name(t.dtype)
-    return name if name in expgroup.EXP_FIELDS else None
-
-
-EXP_MIN_CHANGES = 64
-"""Ranges with fewer changes stay ``sparse-sub`` without trying ``sparse-exp2``: its side information
-(the counts and Rice parameters of the groups, six stream pieces) outweighs what it saves there,
-and the trial (grouping, coding, compressing both) costs more than encoding the range itself.
-On the real-weights run (bench/codec.py --v2 --real) 16, 64 and 256 all give 7.64 bits per change
-over 24 steps (7.65 when every range tries), 1024 gives 8.29; the 64 ranges of 384 elements of
-that model then encode in 100 µs each instead of 230."""
-
-EXP_MIN_SAVING = 0.0005
-"""Bits per element of a range that ``sparse-exp2`` must save over ``sparse-sub`` to be written
-(one byte per 16384 elements); below that the range stays ``sparse-sub``, and where
-``sparse-sub`` itself is that small the ``sparse-exp2`` trial is skipped. Decoding ``sparse-exp2``
-reads every element of the range (about 1 ns each), ``sparse-sub`` only the changes: a near-idle
-range, such as an embedding table of which a step touches a few rows, saved a few hundred bytes
-for a pass over millions of elements. On the real-weights run (bench/codec.py --v2 --real) the
-word embedding (52% of that model's elements, about 0.01% of them changed per step) stays
-``sparse-sub``, at the same 7.63-7.64 bits per change over 24 steps; 0.001 would also cost 1.7%
-more bytes at 0.1% random changes, 0.00025 and 0.0005 nothing there."""
-
-FULL_MIN_ELEMENTS = 1024
-"""Ranges of whole values shorter than this stay byte planes: a ``full-exp`` segment's base byte,
-escapes and setup outweigh what it saves there, and all such ranges together are a small part of
-a model (biases, norms)."""
-
-
-def _coded_full(t: torch.Tensor, count: int, config: CodecConfig) -> bool:
-    """Whether a range of ``count`` whole values of ``t`` may be written as ``full-exp``."""
-    return config.exp_full and count >= FULL_MIN_ELEMENTS and dtype_name(t.dtype) in FULL_DTYPES
-
-
-def _level(encoding: str, stream: int, level: int) -> int:
-    """The zstd level of one stream of a block (FULL_EXP's symbols: always SYMBOLS_ZSTD_LEVEL)."""
-    return fullexp.SYMBOLS_ZSTD_LEVEL if encoding == FULL_EXP and stream == 1 else level
-
-
-def _full(planes: list[np.ndarray], bits: np.ndarray, config: CodecConfig) -> tuple[str, list[np.ndarray]]:
-    """``planes`` or ``full-exp`` pieces of one range of whole values, whichever is the smaller
-    stored (ties: planes).
-
-    ``full-exp`` stores the raw field (sign and low mantissa bits) as its last stream, and byte
-    planes win only on values with little variety or with repeats (a constant, a few levels,
-    repeated rows), which show in that field (near random in trained weights). So the planes are
-    compressed to compare only when zstd shrinks the raw field; and ``full-exp`` with few escapes
-    needs no measuring at all then: it is smaller than the values themselves."""
-    pieces = fullexp.encode(bits)
-    raw_stored = _stored([pieces[-1]], config)
-    if raw_stored >= 0.95 * pieces[-1].nbytes:
-        if 64 * pieces[2].size <= bits.size:
-            return FULL_EXP, pieces
-        best = bits.nbytes
-    else:
-        best = min(bits.nbytes, _stored(planes, config))
-    # the base, the symbols (at their own level), the escapes
-    size = (pieces[0].nbytes + _stored([pieces[1]], config, level=fullexp.SYMBOLS_ZSTD_LEVEL)
-            + _stored([pieces[2]], config) + raw_stored)
-    return (FULL_EXP, pieces) if size < best else (PLANES, planes)
-
-
-def _stored(pieces: list[np.ndarray], config: CodecConfig, *, level: int | None = None) -> int:
-    """Bytes ``pieces`` take stored, each compressed on its own (zstd, or raw where that is smaller)."""
-    return sum(streams.stored_size([p], level=level or config.zstd_level) for p in pieces)
-
-
-def _smaller(v1: list[np.ndarray], v2: Callable[[], list[np.ndarray]], count: int, config: CodecConfig
-             ) -> tuple[str, list[np.ndarray]]:
-    """``sparse-sub`` pieces ``v1`` of a segment of ``count`` elements, or the ``sparse-exp2``
-    pieces ``v2()`` builds where they are smaller by more than ``EXP_MIN_SAVING`` bits per element
-    (not built when ``v1`` itself is under that)."""
-    need = EXP_MIN_SAVING * count / 8  # bytes
-    s1 = _stored(v1, config)
-    if s1 <= need:
-        return SPARSE_SUB, v1
-    pieces = v2()
-    return (SPARSE_EXP2, pieces) if s1 - _stored(pieces, config) > need else (SPARSE_SUB, v1)
 
 
 def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
@@ -462,9 +391,9 @@ def encode_version(new: Mapping[str, torch.Tensor],
         for sr in scan_version(new, base, config):
             changed += sr.nnz
             packer.add(sr.encoding, sr.width, sr.seg)
-            if sr.encoding == DENSE_SUB:
+            if sr.kind == DENSE:
                 update.ranges.append((sr.name, sr.start, sr.end, sr.values))
-            elif sr.encoding in (SPARSE_SUB, SPARSE_EXP2):
+            elif sr.kind == SPARSE:
                 update.points.append((sr.name, sr.positions, sr.values))
         packer.finish()
     except BaseException:

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from .dtypes import UINT, flat_bits
-from .changes import join_planes, split_planes
-from .expgroup import EXP_FIELDS
+from .kernels.changes import join_planes, split_planes
 
 _WIDE = {1: torch.int32, 2: torch.int32, 4: torch.int64}
 _MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFF_FFFF}
@@ -85,10 +84,11 @@ def _bytes(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.uint8).reshape(-1, w)
 
 
-def exp_ranks(old: torch.Tensor, pos: torch.Tensor, dtype: str) -> tuple[np.ndarray, ...]:
-    """:func:`expgroup.group_ranks` with torch ops on ``old``'s device (signed integer view of the
-    range, changed positions ``pos``); only per-change results cross to the host."""
-    shift, nbits = EXP_FIELDS[dtype]
+def field_ranks(old: torch.Tensor, pos: torch.Tensor, shift: int, nbits: int) -> tuple[np.ndarray, ...]:
+    """The changes grouped by the bit field ``(u >> shift) & (2**nbits - 1)`` of their base value,
+    with torch ops on ``old``'s device (signed integer view of the range, changed positions
+    ``pos``): their order by group, rank within it, the group sizes and counts (as
+    ``sparse_exp2.group_ranks`` gives them); only per-change results cross to the host."""
     groups = (_unsigned(old, old.element_size()) >> shift).bitwise_and_((1 << nbits) - 1)
     cg = groups.index_select(0, pos)
     counts = torch.bincount(cg, minlength=1 << nbits)
@@ -107,14 +107,15 @@ def exp_ranks(old: torch.Tensor, pos: torch.Tensor, dtype: str) -> tuple[np.ndar
 
 
 def scan_range(new: torch.Tensor, old: torch.Tensor | None, start: int, end: int, dense_threshold: float,
-               exp_dtype: str | None = None):
+               prepare=None):
     """Encode elements ``[start, end)`` of ``new`` against ``old`` (None: carried as planes).
 
     Returns None when nothing changed, else ``(kind, streams, nnz, positions, values)``: ``kind`` is
     ``"planes"``, ``"dense"`` or ``"sparse"``; ``streams`` the host byte planes of the segment
     (FORMAT §5); ``positions`` the absolute int64 positions of a sparse range; ``values`` the new raw
     bits as an unsigned host array (at the positions, or of the whole dense range; None for planes).
-    With ``exp_dtype``, a sparse range also carries :func:`exp_ranks` as a sixth item (else None).
+    A sparse range also carries ``prepare(old_bits, positions)`` (run on the device) as a sixth
+    item, where ``prepare`` is given (else None): an encoding's :meth:`Encoding.on_device` work.
     """
     w = new.element_size()
     nb = flat_bits(new)[start:end]
@@ -135,5 +136,5 @@ def scan_range(new: torch.Tensor, old: torch.Tensor | None, start: int, end: int
     streams = list(rows[:4 + w])
     positions = np.cumsum(join_planes(streams[:4], np.uint32), dtype=np.int64)
     positions += np.arange(1, nnz + 1, dtype=np.int64) + (start - 1)
-    exp = exp_ranks(ob, pos, exp_dtype) if exp_dtype is not None else None
-    return "sparse", streams, nnz, positions, join_planes(list(rows[4 + w:]), UINT[w]), exp
+    prep = prepare(ob, pos) if prepare is not None else None
+    return "sparse", streams, nnz, positions, join_planes(list(rows[4 + w:]), UINT[w]), prep

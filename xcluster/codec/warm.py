@@ -23,17 +23,18 @@ import numpy as np
 import torch
 
 from .dtypes import UINT, flat_bits, np_bits
-from . import exprank, fullexp, scatter
-from .changes import find_changes, unzigzag, zigzag_diff
+from .encodings import full_exp as fullexp
+from .kernels import exprank, scatter
+from .kernels.changes import find_changes, unzigzag, zigzag_diff
 from .decode import Fill, Scatter, decode_block, patch
 from .encode import CodecConfig, encode_version
-from .expgroup import EXP_FIELDS, SegmentReader, build
+from .encodings.sparse_exp2 import EXP_FIELDS, SegmentReader, build
 
 DTYPES = tuple(getattr(torch, name) for name in EXP_FIELDS if hasattr(torch, name))
 """One tensor of each dtype with exponent groups (their raw bits are 1, 2 or 4 bytes wide)."""
 
 ELEMENTS = 4096
-"""Per tensor: above ``FULL_MIN_ELEMENTS``, so keyframes take the coded encodings."""
+"""Per tensor: above ``full_exp.MIN_ELEMENTS``, so keyframes take the coded encodings."""
 
 
 def _state(seed: int, step: int) -> dict[str, torch.Tensor]:

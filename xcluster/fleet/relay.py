@@ -48,7 +48,7 @@ from ..errors import (ChainBrokenError, ChecksumMismatchError, ConcurrentPublish
 from ..format import (CHECKPOINT, HEAD_KEY, KEYFRAME, KIND_TAG, MAX_CHAIN, Head, Lease, check_node_id, check_run_id,
                      chunk_key, file_key, lease_key, object_key, parse_head, xxh3_128)
 from .retention import RetentionConfig, gc
-from ..util.retry import Backoff
+from ..util.retry import Backoff, retry_integrity
 from ..trust.signing import load_verifier
 from ..store import Store, resolve_store
 
@@ -385,19 +385,25 @@ class Relay:
                 return
             log.warning("%s/%s does not match its manifest (size or XXH3-128): copying it again", self.dst.url, key)
         where = f"{self.src.url}/{key}"
-        data, got = b"", ""
-        for attempt in range(self.config.integrity_retries + 1):
+        seen = (0, "")  # the last attempt's length and XXH3-128, for its log line
+
+        def fetch() -> bytes:
+            nonlocal seen
             data = self.src.get_range(key, 0, size + 1)  # bounded: a longer object is detected, not read
             self._count(bytes_from_source=len(data))
             got = xxh3_128(data)
             if len(data) == size and got == digest:
-                break
-            self._count_retry(f"{where}: {len(data)} bytes hashing to {got} (attempt {attempt + 1})")
-        else:
+                return data
+            seen = (len(data), got)
             if len(data) != size:
                 raise TruncatedObjectError(f"{where} is {len(data)}{'+' if len(data) > size else ''} bytes, "
                                            f"its manifest says {size}: not copied")
             raise ChecksumMismatchError(f"{where} hashes to {got}, its manifest says {digest}: not copied")
+
+        def failed(_exc: BaseException, n: int) -> None:  # every failed attempt counts, the last included
+            self._count_retry(f"{where}: {seen[0]} bytes hashing to {seen[1]} (attempt {n})")
+
+        data = retry_integrity(fetch, attempts=self.config.integrity_retries + 1, on_failure=failed)
         self.dst.put(key, data, tags=tags)
         self._count(objects_copied=1, bytes_to_destination=size)
 

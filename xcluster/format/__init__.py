@@ -2,7 +2,7 @@
 spec; each module implements a part of it). Every public name is importable from here."""
 
 from .limits import (
-    MAX_PARTS, MAX_MANIFEST_BYTES, MAX_HEAD_BYTES, MAX_DIMS, MAX_TENSOR_ELEMENTS, MAX_SEGMENT_ELEMENTS,
+    MAX_PARTS, MAX_MANIFEST_BYTES, MAX_HEAD_BYTES, MAX_DIMS, MAX_TENSOR_ELEMENTS, MAX_SEGMENT_ELEMENTS, MAX_STREAMS,
     MAX_CHUNK_BYTES, MAX_VERSION, MAX_CHAIN, MAX_FILE_BYTES, MAX_FILES, MAX_FILES_TOTAL_BYTES, MAX_LEASE_BYTES,
 )
 from .keys import (
@@ -16,10 +16,9 @@ from .canonical import (
     canonical_json, xxh3_128, Signature,
 )
 from .manifest import (
-    KEYFRAME, DELTA, CHECKPOINT, KINDS, MANIFEST_KINDS, FULL_KINDS, PLANES, SPARSE_SUB, DENSE_SUB,
-    SPARSE_EXP2, FULL_EXP, CORE_ENCODINGS, ENCODINGS, FILL_ENCODINGS, FULL_DTYPES, FULL_EXP_EXACT,
-    EXP_GROUP_BITS, EXP_STREAMS, GAP_WIDTH, INIT_BASE, INIT_NONE, object_key, TensorEntry, ChunkEntry,
-    FileEntry, StreamEntry, Segment, BlockEntry, expected_raw_lengths, EXP_EXACT, encodings_of, ManifestLink,
+    KEYFRAME, DELTA, CHECKPOINT, KINDS, MANIFEST_KINDS, FULL_KINDS,
+    INIT_BASE, INIT_NONE, object_key, TensorEntry, ChunkEntry,
+    FileEntry, StreamEntry, Segment, BlockEntry, encodings_of, ManifestLink,
     Manifest, parse_manifest,
 )
 from .head import (
@@ -33,23 +32,12 @@ __all__ = [
     "BlockEntry",
     "CHECKPOINT",
     "CHECKPOINT_PREFIX",
-    "CORE_ENCODINGS",
     "ChunkEntry",
     "DELTA",
-    "DENSE_SUB",
-    "ENCODINGS",
     "ENGINE_STATES",
-    "EXP_EXACT",
-    "EXP_GROUP_BITS",
-    "EXP_STREAMS",
-    "FILL_ENCODINGS",
     "FORMAT_VERSION",
-    "FULL_DTYPES",
-    "FULL_EXP",
-    "FULL_EXP_EXACT",
     "FULL_KINDS",
     "FileEntry",
-    "GAP_WIDTH",
     "HEAD_FORMAT",
     "HEAD_KEY",
     "Head",
@@ -74,15 +62,13 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_PARTS",
     "MAX_SEGMENT_ELEMENTS",
+    "MAX_STREAMS",
     "MAX_TENSOR_ELEMENTS",
     "MAX_VERSION",
     "Manifest",
     "ManifestLink",
-    "PLANES",
     "SIGNATURE_ALGS",
     "SIGNATURE_BYTES",
-    "SPARSE_EXP2",
-    "SPARSE_SUB",
     "Segment",
     "Signature",
     "StreamEntry",
@@ -99,7 +85,6 @@ __all__ = [
     "checkpoint_key",
     "chunk_key",
     "encodings_of",
-    "expected_raw_lengths",
     "file_key",
     "inflight_key",
     "is_manifest_name",

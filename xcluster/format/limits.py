@@ -13,6 +13,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_HEAD_BYTES = 64 << 10
 MAX_DIMS = 32
 MAX_TENSOR_ELEMENTS = 1 << 44
+MAX_STREAMS = 64
+"""Streams of one block, at most (every encoding has far fewer)."""
 MAX_SEGMENT_ELEMENTS = 1 << 31
 MAX_CHUNK_BYTES = 1 << 36
 MAX_VERSION = (1 << 53) - 1

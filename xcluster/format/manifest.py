@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 from .dtypes import DTYPE_NAMES, itemsize
-from ..errors import (DecompressionBombError, FormatError, UnknownEncodingError, UnsafeNameError)
+from ..errors import FormatError, UnsafeNameError
 
 from .canonical import FORMAT_VERSION, MANIFEST_FORMAT, Signature, _int, _list, _load_json, _run_id, _signature, _str, canonical_json
 from .keys import _ENCODING_NAME, _HEX128, _MANIFEST_NAME, check_chunk_name, check_file_name, check_manifest_name, check_tensor_name, checkpoint_dir, chunk_key
-from .limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_FILES, MAX_FILES_TOTAL_BYTES, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, MAX_PARTS, MAX_SEGMENT_ELEMENTS, MAX_TENSOR_ELEMENTS, MAX_VERSION
+from .limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_FILES, MAX_FILES_TOTAL_BYTES, MAX_FILE_BYTES, MAX_MANIFEST_BYTES, MAX_PARTS, MAX_SEGMENT_ELEMENTS, MAX_STREAMS, MAX_TENSOR_ELEMENTS, MAX_VERSION
 
 
 KEYFRAME = "keyframe"
@@ -24,28 +24,6 @@ MANIFEST_KINDS = (*KINDS, CHECKPOINT)
 """A manifest is a version's, or a checkpoint's: the full state of a committed version, a side
 object under ``checkpoints/<V>/`` that a joining node starts from (FORMAT.md §3a)."""
 FULL_KINDS = (KEYFRAME, CHECKPOINT)
-
-# encodings of a block
-PLANES = "planes"          # full values: byte planes of the raw bits
-SPARSE_SUB = "sparse-sub"  # changed positions (gap planes) + zigzag(new-old) byte planes
-DENSE_SUB = "dense-sub"    # zigzag(new-old) byte planes of every element in range
-SPARSE_EXP2 = "sparse-exp2"  # changed positions per exponent group of the base (Rice) + packed values
-FULL_EXP = "full-exp"      # full bf16 values: exponent (in a window) and top mantissa bits as a byte, the rest raw
-CORE_ENCODINGS = (PLANES, SPARSE_SUB, DENSE_SUB)
-"""What every format-1 reader reads and every writer may always use (what the others fall back to)."""
-ENCODINGS = (*CORE_ENCODINGS, SPARSE_EXP2, FULL_EXP)
-"""Every encoding this reader knows (docs/FORMAT.md §5)."""
-FILL_ENCODINGS = (PLANES, FULL_EXP)
-"""Encodings that carry whole values (the segments of a tensor that starts empty, ``init: none``)."""
-FULL_DTYPES = ("bfloat16",)
-"""dtypes with the ``full-exp`` encoding."""
-FULL_EXP_EXACT = (True, True, False, True)
-"""Which ``full-exp`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
-EXP_GROUP_BITS = {"bfloat16": 8, "float16": 5, "float32": 8, "float8_e4m3fn": 4, "float8_e4m3fnuz": 4,
-                  "float8_e5m2": 5, "float8_e5m2fnuz": 5}
-"""dtypes with a ``sparse-exp2`` encoding and the width of their exponent field (2**bits groups)."""
-EXP_STREAMS = 6
-GAP_WIDTH = 4              # gaps are uint32, 4 byte planes
 
 INIT_BASE = "base"  # tensor starts from the base version's tensor of the same name
 INIT_NONE = "none"  # every element is given by planes segments
@@ -121,31 +99,6 @@ class BlockEntry:
     @property
     def stored(self) -> int:
         return sum(s.stored for s in self.streams)
-
-
-def expected_raw_lengths(encoding: str, width: int, segments: tuple[Segment, ...] | list[Segment],
-                         groups: tuple[int, ...] | list[int] = ()) -> list[int]:
-    """The decoded length of each stream of a block, derived from its segments; for
-    ``sparse-exp2`` (``groups``: the number of exponent groups of each segment's dtype) and
-    ``full-exp`` the exact length of the streams the segments fix and an upper bound of the others
-    (FORMAT.md §5), which the decoder makes exact from the block's own side information."""
-    elems = sum(s.count for s in segments)
-    nnz = sum(s.nnz for s in segments)
-    if encoding == PLANES or encoding == DENSE_SUB:
-        return [elems] * width
-    if encoding == FULL_EXP:
-        # a base per segment, a symbol per element, at most one escaped exponent per element
-        return [len(segments), elems, elems, sum((6 * s.count + 7) // 8 for s in segments)]
-    if encoding == SPARSE_EXP2:
-        bitmaps = sum((s.nnz + 7) // 8 for s in segments)
-        # per group: its count (uint32) and its Rice parameter (one byte)
-        return [5 * sum(groups), sum((s.count + 7) // 8 for s in segments),
-                sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps, bitmaps, width * nnz]
-    return [nnz] * GAP_WIDTH + [nnz] * width
-
-
-EXP_EXACT = (True, False, False, True, True, False)
-"""Which ``sparse-exp2`` stream lengths :func:`expected_raw_lengths` gives exactly (else a bound)."""
 
 
 def encodings_of(blocks) -> tuple[str, ...]:
@@ -264,26 +217,36 @@ def _tensor_obj(t: TensorEntry) -> dict[str, Any]:
 
 # --- parsing ---------------------------------------------------------------------------------
 def _encodings(obj: dict, where: str) -> tuple[str, ...]:
-    """``encodings``: sorted, distinct names; every one must be known here (else, by name,
-    :class:`UnknownEncodingError`, before anything else of the manifest is looked at)."""
+    """``encodings``: sorted, distinct names. Whether this reader has them, and each block's
+    limits under its encoding, is the codec's to check (``codec.encoding.check_manifest``): a
+    relay or gc needs no encoding to move or keep bytes."""
     raw = obj.get("encodings")
     if (not isinstance(raw, list) or len(raw) > 64
             or any(not isinstance(e, str) or not _ENCODING_NAME.fullmatch(e) for e in raw)
             or raw != sorted(set(raw))):
         raise FormatError(f"{where}: field 'encodings' must be a sorted list of distinct encoding names, "
                           f"got {str(raw)[:200]}")
-    unknown = [e for e in raw if e not in ENCODINGS]
-    if unknown:
-        raise UnknownEncodingError(
-            f"{where}: uses encoding {', '.join(map(repr, unknown))}, which this reader does not have (it reads "
-            f"{', '.join(ENCODINGS)}): upgrade xcluster on this node; until every reader has it, publishers "
-            "leave it out of CodecConfig.encodings (docs/FORMAT.md §8)")
     return tuple(raw)
 
 
-def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
+class EncodingRules(Protocol):
+    """What a reader's codec checks while a manifest is parsed (``codec.encoding.RULES``): that it
+    has every encoding the manifest names, and each block's limits under its encoding."""
+
+    def check_names(self, encodings: tuple[str, ...], *, where: str) -> None: ...
+
+    def check_block(self, block: BlockEntry, tensors: list[TensorEntry], *, where: str) -> None: ...
+
+
+def parse_manifest(data: bytes, *, where: str = "manifest", rules: EncodingRules | None = None) -> Manifest:
+    """Parse and check a manifest (FORMAT.md §3). Without ``rules`` only what every encoding shares
+    is checked (enough to list, copy or keep its objects: a relay, gc); a reader that decodes
+    parses with the codec's rules (``codec.encoding.parse_manifest``), which refuse an encoding
+    it lacks by name before anything else is looked at."""
     obj = _load_json(data, where, MAX_MANIFEST_BYTES, MANIFEST_FORMAT)
     encodings = _encodings(obj, where)
+    if rules is not None:
+        rules.check_names(encodings, where=where)
     version = _int(obj, "version", where, lo=1)
     kind = _str(obj, "kind", where, choices=MANIFEST_KINDS)
     base_version = _int(obj, "base_version", where, lo=1, null=True)
@@ -384,8 +347,11 @@ def parse_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         chunks.append(ChunkEntry(cname, _int(c, "size", cw, lo=1, hi=MAX_CHUNK_BYTES),
                                  _str(c, "xxh3_128", cw, pattern=_HEX128)))
 
-    blocks = [_parse_block(b, i, where, tensors, chunks, encodings)
-              for i, b in enumerate(_list(obj, "blocks", where))]
+    blocks = []
+    for i, b in enumerate(_list(obj, "blocks", where)):
+        blocks.append(_parse_block(b, i, where, tensors, chunks, encodings))
+        if rules is not None:
+            rules.check_block(blocks[-1], tensors, where=f"{where}: blocks[{i}]")
     if encodings_of(blocks) != encodings:
         raise FormatError(f"{where}: 'encodings' lists {', '.join(encodings) or 'none'}, its blocks use "
                           f"{', '.join(encodings_of(blocks)) or 'none'}: they must be the same")
@@ -468,42 +434,11 @@ def _parse_block(b: Any, i: int, where: str, tensors: list[TensorEntry], chunks:
                               f"{te.name} ({te.numel} elements)")
         if itemsize(te.dtype) != width:
             raise FormatError(f"{bw}: width {width} does not match {te.name} ({te.dtype})")
-        if encoding == SPARSE_EXP2 and te.dtype not in EXP_GROUP_BITS:
-            raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): that dtype has no exponent "
-                              "groups")
-        if encoding in (SPARSE_SUB, SPARSE_EXP2):
-            # sparse past half the elements is never smaller than dense-sub (writers switch at
-            # dense_threshold <= 1/2), and would cost a reader more memory than the tensor
-            if not 0 < 2 * nnz <= count:
-                raise FormatError(f"{bw}: {encoding} segment of {te.name} has nnz {nnz} outside (0, {count // 2}] "
-                                  f"(half its count {count}): such ranges are carried as dense-sub")
-        elif nnz != count:
-            raise FormatError(f"{bw}: {encoding} segment of {te.name} must have nnz == count")
-        if encoding == FULL_EXP and te.dtype not in FULL_DTYPES:
-            raise FormatError(f"{bw}: {encoding} segment on {te.name} ({te.dtype}): only "
-                              f"{', '.join(FULL_DTYPES)} tensors have that encoding")
-        if (encoding in FILL_ENCODINGS) != (te.init == INIT_NONE):
-            raise FormatError(f"{bw}: {encoding} segment on tensor {te.name} with init {te.init!r}")
         segments.append(Segment(t, start, count, nnz))
     if not segments:
         raise FormatError(f"{bw}: a block has at least one segment")
-    exp = encoding == SPARSE_EXP2
-    groups = [1 << EXP_GROUP_BITS[tensors[s.tensor].dtype] for s in segments] if exp else []
-    expected = expected_raw_lengths(encoding, width, segments, groups)
-    exact = EXP_EXACT if exp else FULL_EXP_EXACT if encoding == FULL_EXP else (True,) * len(expected)
-    if len(streams) != len(expected):
-        raise FormatError(f"{bw}: {encoding} of width {width} has {len(expected)} streams, got {len(streams)}")
-    for k, (s, e) in enumerate(zip(streams, expected)):
-        if s.raw > e:
-            raise DecompressionBombError(
-                f"{bw}: stream {k} declares {s.raw} decoded bytes but its segments hold only {e}")
-        if s.raw != e and exact[k]:
-            raise FormatError(f"{bw}: stream {k} declares {s.raw} decoded bytes, its segments need {e}")
-        if s.codec == "raw" and s.stored != s.raw:
-            raise FormatError(f"{bw}: raw stream {k} stores {s.stored} bytes for {s.raw}")
-        if s.stored > s.raw:
-            raise FormatError(f"{bw}: stream {k} stores {s.stored} bytes for {s.raw} decoded: writers store "
-                              "a stream raw when zstd does not make it smaller")
+    if not 1 <= len(streams) <= MAX_STREAMS:
+        raise FormatError(f"{bw}: a block has 1 to {MAX_STREAMS} streams, got {len(streams)}")
     end = offset + sum(s.stored for s in streams)
     if end > chunks[chunk].size:
         raise FormatError(f"{bw}: bytes [{offset}, {end}) run past chunk {chunks[chunk].name} "

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from ..errors import (ChainBrokenError, ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
                      ObjectNotFoundError, ResourceLimitError, RunMismatchError, SignatureError, XclusterError)
 from ..format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
-                     parse_manifest, xxh3_128)
+                     xxh3_128)
+from ..codec.encoding import parse_manifest  # with this build's encodings: one it lacks is refused by name
 from ..format.packing import unpack
 from ..store import Store
+from ..util.retry import retry_integrity
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +98,15 @@ def poll_head(store: Store, etag: str | None) -> tuple[Head | None, str | None] 
 def read_manifest(store: Store, link: Link, *, retries: int = 2,
                   on_retry: Callable[[str], None] | None = None) -> LinkedManifest:
     """Read and verify the manifest ``link`` names. A hash mismatch is re-read up to ``retries``
-    times (corruption in transit), then raises :class:`ChecksumMismatchError`; a missing object
-    raises :class:`ChainBrokenError`."""
+    times (corruption in transit; :func:`~xcluster.util.retry.retry_integrity`), then raises
+    :class:`ChecksumMismatchError`; ``on_retry(message)`` runs after each mismatch, the last
+    included. A missing object raises :class:`ChainBrokenError`."""
     key = link.key
     where = f"{store.url}/{key}"
     problem = ""
-    for attempt in range(retries + 1):
+
+    def attempt() -> tuple[bytes, bytes]:
+        nonlocal problem
         try:  # bounded read: a hostile object cannot make us allocate more than the limit
             stored = store.get_range(key, 0, MAX_MANIFEST_BYTES + 1)
         except ObjectNotFoundError:
@@ -116,15 +121,19 @@ def read_manifest(store: Store, link: Link, *, retries: int = 2,
         else:
             got = xxh3_128(data)
             if got == link.xxh3_128:
-                break
+                return stored, data
             problem = f"hashes to {got}"
-        msg = f"{where} {problem}, expected {link.xxh3_128} (attempt {attempt + 1} of {retries + 1})"
+        raise ChecksumMismatchError(f"{where} {problem}, its successor says {link.xxh3_128}: "
+                                    "the manifest is corrupt or was replaced")
+
+    def failed(_exc: BaseException, n: int) -> None:
+        msg = f"{where} {problem}, expected {link.xxh3_128} (attempt {n} of {retries + 1})"
         log.warning(msg)
         if on_retry is not None:
             on_retry(msg)
-    else:
-        raise ChecksumMismatchError(f"{where} {problem}, its successor says {link.xxh3_128}: "
-                                    "the manifest is corrupt or was replaced")
+
+    stored, data = retry_integrity(attempt, attempts=retries + 1, on_failure=failed,
+                                   retry_on=ChecksumMismatchError)
     m = parse_manifest(data, where=where)
     if m.version != link.version:
         raise FormatError(f"{where} says it is version {m.version}")

@@ -18,9 +18,10 @@ import logging
 import re
 from dataclasses import dataclass
 
+from ..codec.encoding import parse_manifest
 from ..errors import CheckpointMismatchError, FormatError, ObjectNotFoundError
 from ..format import (CHECKPOINT, CHECKPOINT_PREFIX, INIT_NONE, MAX_MANIFEST_BYTES, Manifest, checkpoint_key,
-                     parse_manifest, xxh3_128)
+                     xxh3_128)
 from ..format.packing import unpack
 from ..store import Store
 

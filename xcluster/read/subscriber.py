@@ -1,40 +1,35 @@
 """The subscriber: follows a store and holds verified weights.
 
 ``sync()`` polls HEAD (one conditional GET when nothing is new), walks HEAD's chain back to the
-version it holds (or to the newest keyframe) with :mod:`xcluster.chain`, then applies each
+version it holds (or to the newest keyframe) with :mod:`xcluster.read.chain`, then applies each
 version: fetch chunks in parallel (no lock held), verify every chunk checksum, then — under the
 state lock — decode, patch in place, verify every digest. Any failure or interrupt undoes that
 version only after every worker has stopped, and raises; the weights stay those of the last
 version that verified. ``snapshot()`` reads weights, version and digest together.
+
+This module is the subscriber's face, its configuration, planning (chain.py, checkpoint.py) and
+the sync loop; fetching verified chunks is :mod:`.fetch`, patching and verifying weights :mod:`.apply`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from .apply import alloc_fresh, check_limits, fill_block, patch_and_verify, verify_state
 from .chain import Link, LinkedManifest, Plan, find_link, poll_head, read_manifest, walk_links
 from .checkpoint import LoadedCheckpoint, check_checkpoint, list_checkpoints, read_checkpoint
-from ..codec.decode import Fill, Patch, Scatter, block_memory, decode_block, fill, patch
-from ..codec.digest import entry_digest, model_digest_from
-from ..codec.dtypes import dtype_name, np_bits, torch_dtype
-from ..errors import (BaseMismatchError, ChainBrokenError, CheckpointMismatchError, ChecksumMismatchError, ConfigError,
-                     DecodeError,
-                     DigestMismatchError, FormatError, IntegrityError, ObjectNotFoundError, ResourceLimitError,
-                     RollbackError, RunMismatchError, StaleHeadError, TruncatedObjectError, XclusterError)
-from ..util.fsutil import write_atomic
-from ..format import (FILL_ENCODINGS, FULL_KINDS, INIT_BASE, KEYFRAME, MAX_CHAIN, Head, Manifest, TensorEntry,
-                     check_run_id, object_key, parse_manifest, xxh3_128)
+from .fetch import ChunkCache, ChunkFetcher, shielded
+from ..errors import (BaseMismatchError, ChainBrokenError, CheckpointMismatchError, ConfigError, FormatError,
+                     IntegrityError, ObjectNotFoundError, ResourceLimitError, RollbackError, RunMismatchError,
+                     StaleHeadError, XclusterError)
+from ..codec.encoding import parse_manifest
+from ..format import FULL_KINDS, KEYFRAME, MAX_CHAIN, Head, Manifest, check_run_id, xxh3_128
 from ..trust.signing import load_verifier
 from ..store import Store, resolve_store
 
@@ -240,22 +235,7 @@ class Subscriber:
         m = parse_manifest(manifest_data, where="restored manifest")
         where = f"restored version {m.version}"
         self._check_trust(m, None, where=where)
-        if set(state) != {t.name for t in m.tensors}:
-            raise DigestMismatchError(f"{where}: tensor names differ from the manifest's")
-        tensors: dict[str, torch.Tensor] = {}
-        for t in m.tensors:
-            cur = state[t.name]
-            if dtype_name(cur.dtype) != t.dtype or tuple(cur.shape) != t.shape:
-                raise DigestMismatchError(f"{where}: {t.name} is {dtype_name(cur.dtype)}{tuple(cur.shape)}, the "
-                                          f"manifest says {t.dtype}{t.shape}")
-            tensors[t.name] = cur.detach().contiguous()
-        with ThreadPoolExecutor(max_workers=self.config.decode_workers) as pool:
-            got = dict(zip(tensors, pool.map(lambda t: entry_digest(tensors[t.name], t.parts), m.tensors)))
-        for t in m.tensors:
-            if got[t.name] != t.digest:
-                raise DigestMismatchError(f"{where}: {t.name} hashes to {got[t.name]}, the manifest says {t.digest}")
-        if model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors) != m.model_digest:
-            raise DigestMismatchError(f"{where}: the manifest's model digest does not match its tensors")
+        tensors = verify_state(state, m, workers=self.config.decode_workers, where=where)
         with self._sync_lock, self._lock:
             self._state = tensors
             self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
@@ -340,7 +320,7 @@ class Subscriber:
                         f"{where}: keyframe_version {m.keyframe_version} differs from its base's (version "
                         f"{held.version}, keyframe_version {held.manifest.keyframe_version})")
                 self._check_trust(m, head, where=where)
-                self._check_limits(m, where)
+                check_limits(m, self.config, where)
 
             walk = dict(check=check, max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
                         retries=cfg.integrity_retries, on_retry=count_retry)
@@ -420,7 +400,7 @@ class Subscriber:
                 return plan, None
             try:
                 check_checkpoint(cp.manifest, oldest.manifest, oldest.link.xxh3_128, oldest.link.manifest, where=where)
-                self._check_limits(cp.manifest, where)
+                check_limits(cp.manifest, self.config, where)
             except (CheckpointMismatchError, ResourceLimitError) as exc:
                 log.warning("skipping checkpoint (%s): %s", type(exc).__name__, exc)
                 self._bad_checkpoints.add(ref.key)
@@ -466,114 +446,34 @@ class Subscriber:
                 f"{have!r}: another run's versions were put under this prefix; this subscriber keeps serving "
                 f"version {held.version}")
 
-    # --- fetching (no lock held: readers of the current weights are never kept waiting) ------
-    def _cache_path(self, m: Manifest, mhash: str, name: str) -> Path | None:
+    # --- applying -----------------------------------------------------------------------------
+    def _chunk_cache(self) -> ChunkCache | None:
         root = self.config.chunk_cache_dir
-        return None if root is None else Path(root) / f"{m.version:012d}-{mhash[:16]}" / name
-
-    def _fetch_chunk(self, m: Manifest, mhash: str, i: int) -> bytes:
-        c = m.chunks[i]
-        key = object_key(m, c.name)
-        where = f"{self.store.url}/{key}"
-        cached = self._cache_path(m, mhash, c.name)
-        if cached is not None and cached.is_file() and cached.stat().st_size == c.size:
-            data = cached.read_bytes()
-            if xxh3_128(data) == c.xxh3_128:
-                self.stats.chunk_cache_hits += 1
-                if self.on_chunk is not None:
-                    self.on_chunk(m, c.size)
-                return data
-        err: IntegrityError | None = None
-        for attempt in range(self.config.integrity_retries + 1):
-            try:  # one byte more than expected tells "too long" without reading a hostile object whole
-                data = self.store.get_range(key, 0, c.size + 1)
-            except ObjectNotFoundError:
-                raise ChainBrokenError(f"{where} is missing: version {m.version} cannot be applied") from None
-            self.stats.bytes_fetched += len(data)
-            if len(data) != c.size:
-                err = TruncatedObjectError(f"{where} is {len(data)} bytes, the manifest says {c.size}")
-            elif (got := xxh3_128(data)) != c.xxh3_128:
-                self.stats.checksum_failures += 1
-                err = ChecksumMismatchError(f"{where} hashes to {got}, the manifest says {c.xxh3_128}: "
-                                            "corrupt in storage or in transit")
-            else:
-                if cached is not None:
-                    write_atomic(cached, data, sync_dir=False)
-                if self.on_chunk is not None:
-                    self.on_chunk(m, c.size)
-                return data
-            if attempt < self.config.integrity_retries:
-                self.stats.refetches += 1
-            log.warning("%s (attempt %d of %d)", err, attempt + 1, self.config.integrity_retries + 1)
-        assert err is not None
-        raise err
-
-    def _stream_fresh(self, m: Manifest, mhash: str, where: str) -> tuple[dict[int, torch.Tensor], dict[int, bytes]]:
-        """Fetch and verify every chunk, at most ``fetch_workers`` at a time, and fill the tensors
-        that start empty (``init: none``: a keyframe's, or new ones) from their ``planes`` blocks
-        as each chunk arrives; a chunk is dropped once used. No lock is taken: nothing held is
-        touched. Returns those tensors by index and the chunks still needed by patches of held
-        tensors (``-sub`` blocks, applied under the lock). So a keyframe costs the new weights
-        plus a few chunks, never every chunk of the version at once."""
-        fresh = {i: _alloc(t, where) for i, t in enumerate(m.tensors) if t.init != INIT_BASE}
-        fills: dict[int, list[int]] = {}
-        keep: set[int] = set()
-        for bi, b in enumerate(m.blocks):
-            if b.encoding in FILL_ENCODINGS:
-                fills.setdefault(b.chunk, []).append(bi)
-            else:
-                keep.add(b.chunk)
-        kept: dict[int, bytes] = {}
-        window = self.config.fetch_workers
-        pending: deque[tuple[int, Future]] = deque()
-        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="xc-fetch") as fetch, \
-                ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as dec:
-            try:
-                nxt = 0
-                while nxt < len(m.chunks) or pending:
-                    while nxt < len(m.chunks) and len(pending) < window:
-                        pending.append((nxt, fetch.submit(self._fetch_chunk, m, mhash, nxt)))
-                        nxt += 1
-                    ci, fut = pending.popleft()
-                    data = fut.result()
-                    blocks = fills.get(ci, ())
-                    _run_all(dec, lambda k: self._fill(m, blocks[k], data, fresh, where), len(blocks))
-                    if ci in keep:
-                        kept[ci] = data
-                    del data
-            finally:
-                for _, fut in pending:  # after a failure or an interrupt: start no more fetches
-                    fut.cancel()
-        return fresh, kept
-
-    @staticmethod
-    def _fill(m: Manifest, bi: int, data: bytes, fresh: dict[int, torch.Tensor], where: str) -> None:
-        b = m.blocks[bi]
-        for op in decode_block(b, data, m.tensors, where=f"{where} block {bi}", into=fresh):
-            assert isinstance(op, Fill)
-            fill(fresh[op.tensor], op)
+        return None if root is None else ChunkCache(root)
 
     def prune_chunk_cache(self) -> None:
         """Drop cached chunks of versions up to the one held (they were applied)."""
-        root, held = self.config.chunk_cache_dir, self._held
-        if root is None or held is None or not os.path.isdir(root):
-            return
-        for d in os.listdir(root):
-            head = d.split("-", 1)[0]
-            if head.isdigit() and int(head) <= held.version:
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        cache, held = self._chunk_cache(), self._held
+        if cache is not None and held is not None:
+            cache.prune(held.version)
 
-    # --- applying -----------------------------------------------------------------------------
     def _apply(self, m: Manifest, mhash: str, data: bytes, head: Head, *, where: str,
                label: LinkedManifest | None = None, name: str | None = None) -> None:
         """Apply manifest ``m`` (a version's, or with ``label`` a checkpoint, which is held as the
-        version manifest ``label`` once it verified)."""
+        version manifest ``label`` once it verified): fetch and verify its chunks with no lock
+        held, filling the tensors that start empty as they arrive (fetch.py); then, under the
+        lock, patch and verify (apply.py)."""
         t0 = time.perf_counter()
-        self._check_limits(m, where)
-        fresh, chunks = self._stream_fresh(m, mhash, where)
+        cfg = self.config
+        check_limits(m, cfg, where)
+        fetcher = ChunkFetcher(self.store, self.stats, integrity_retries=cfg.integrity_retries,
+                               workers=cfg.fetch_workers, decode_workers=cfg.decode_workers, cache=self._chunk_cache())
+        fresh = alloc_fresh(m, where)
+        chunks = fetcher.stream(m, mhash, lambda bi, chunk: fill_block(m, bi, chunk, fresh, where),
+                                on_chunk=self.on_chunk)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
-            _shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
+            shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
         chunks.clear()  # free the compressed bytes now
         fresh.clear()
         self.stats.versions_applied += 1
@@ -588,191 +488,27 @@ class Subscriber:
         if self.on_apply is not None:
             self.on_apply(ev)
 
-    def _check_limits(self, m: Manifest, where: str) -> None:
-        """Refuse, before fetching or allocating anything, a version whose weights exceed the
-        configured memory limits."""
-        cfg = self.config
-        if m.model_bytes > cfg.max_model_bytes:
-            raise ResourceLimitError(f"{where}: weights of {m.model_bytes} bytes exceed max_model_bytes "
-                                     f"({cfg.max_model_bytes})")
-        cap = cfg.max_tensor_bytes
-        big = max(m.tensors, key=lambda t: t.nbytes, default=None)
-        if cap is not None and big is not None and big.nbytes > cap:
-            raise ResourceLimitError(f"{where}: tensor {big.name} ({big.dtype}{list(big.shape)}, {big.nbytes} bytes) "
-                                     f"exceeds max_tensor_bytes ({cap})")
-        for bi, b in enumerate(m.blocks):
-            if (need := block_memory(b)) > cfg.max_block_bytes:
-                raise ResourceLimitError(f"{where}: block {bi} ({b.encoding}) needs {need} bytes to decode, more than "
-                                         f"max_block_bytes ({cfg.max_block_bytes})")
-
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
                           where: str, data: bytes, label: LinkedManifest | None = None,
                           name: str | None = None) -> None:
-        """Patch ``m``'s ``-sub`` blocks onto what is held (its ``planes`` blocks already filled
-        ``fresh``), verify, and swap; on any failure or interrupt every patch is undone, after
-        every worker has stopped."""
+        """Patch ``m`` onto what is held, verify, and swap weights and label together
+        (apply.py); on any failure what is held stays, bit for bit."""
         held = self._held
         is_key = m.kind in FULL_KINDS
         if not is_key and (held is None or m.base_version != held.version
                            or m.base_manifest_xxh3_128 != held.xxh3_128):
             raise BaseMismatchError(f"{where}: delta on version {m.base_version} ({m.base_model_digest}) but "
                                     f"this subscriber holds {self.version} ({self.model_digest})")
-        digests = held.digests if held is not None and not is_key else {}
-        # tensors of the new state: patched in place (init base) or fresh (init none)
-        target: list[torch.Tensor] = []
-        for t in m.tensors:
-            if t.init == INIT_BASE:
-                cur = self._state.get(t.name)
-                if cur is None or cur.dtype != torch_dtype(t.dtype) or tuple(cur.shape) != t.shape:
-                    raise BaseMismatchError(f"{where}: {t.name} is carried over from the base but this "
-                                            "subscriber's tensor differs in name, dtype or shape")
-                target.append(cur)
-            else:
-                target.append(fresh[len(target)])
-        applied: list[tuple[torch.Tensor, Patch | Scatter]] = []
-        patches = [bi for bi, b in enumerate(m.blocks) if b.encoding not in FILL_ENCODINGS]
-        plock = threading.Lock()
-        touched = {s.tensor for b in m.blocks for s in b.segments}
-        # a tensor is hashed by the worker that patches its last block, while others still decode
-        block_tensors = {bi: {s.tensor for s in m.blocks[bi].segments} for bi in patches}
-        pending = Counter(i for ts in block_tensors.values() for i in ts)
-        hashed: dict[int, str] = {}
+        verified = {t.name: t.digest for t in m.tensors}
+        held_as = _Held(m, mhash, verified, data, name) if label is None else \
+            _Held(label.manifest, label.link.xxh3_128, verified, label.data, label.link.manifest)
 
-        def run_block(bi: int) -> None:
-            b = m.blocks[bi]
-            ops = decode_block(b, chunks[b.chunk], m.tensors, where=f"{where} block {bi}", base=target)
-            for op in ops:  # decoded and bounds-checked whole before any of it is applied
-                tgt = target[op.tensor]
-                if isinstance(op, Fill):
-                    fill(tgt, op)
-                else:
-                    patch(tgt, op)
-                    with plock:
-                        applied.append((tgt, op))
-            with plock:
-                done = []
-                for i in block_tensors[bi]:
-                    pending[i] -= 1
-                    if pending[i] == 0:
-                        done.append(i)
-            for i in done:
-                hashed[i] = entry_digest(target[i], m.tensors[i].parts)
+        def swap(state: dict[str, torch.Tensor]) -> None:  # one statement: weights and label move together
+            self._state, self._held = state, held_as
 
-        ok = False
-        with ThreadPoolExecutor(max_workers=self.config.decode_workers, thread_name_prefix="xc-decode") as pool:
-            try:
-                _run_all(pool, lambda k: run_block(patches[k]), len(patches))
-                for i, t in enumerate(m.tensors):
-                    if t.dtype == "bool" and i in touched and bool((np_bits(target[i]) > 1).any()):
-                        raise DecodeError(f"{where}: {t.name} holds bool bytes other than 0 and 1")
-                # verify: hash what changed; what did not change keeps the digest we verified before,
-                # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
-                idx = sorted(touched | {i for i, t in enumerate(m.tensors)
-                                        if t.init != INIT_BASE or digests.get(t.name) != t.digest})
-                rest = [i for i in idx if i not in hashed]
-                hashed.update(zip(rest, _run_all(
-                    pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts), len(rest))))
-                for i in idx:
-                    got = hashed[i]
-                    if got != m.tensors[i].digest:
-                        changed = "after applying" if i in touched or m.tensors[i].init != INIT_BASE else \
-                            "unchanged from the verified base"
-                        raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} ({changed}), "
-                                                  f"the manifest says {m.tensors[i].digest}")
-                got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
-                if got != m.model_digest:
-                    raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
-                # swap before anything else can be interrupted (the pool's shutdown below can be):
-                # one statement, no call in between, so weights and label move together
-                held_as = _Held(m, mhash, {t.name: t.digest for t in m.tensors}, data, name) if label is None else \
-                    _Held(label.manifest, label.link.xxh3_128, {t.name: t.digest for t in m.tensors}, label.data,
-                          label.link.manifest)
-                self._state, self._held = {t.name: target[i] for i, t in enumerate(m.tensors)}, held_as
-                ok = True
-            finally:
-                if not ok:  # every block has stopped (see _run_all): undo is not racing a patch
-                    _shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
+        patch_and_verify(m, chunks, fresh, where, base=self._state,
+                         digests=held.digests if held is not None and not is_key else {},
+                         workers=self.config.decode_workers, commit=swap)
 
 
-def _alloc(t: TensorEntry, where: str) -> torch.Tensor:
-    """A fresh tensor for ``t``; an allocation the machine refuses is a named error."""
-    try:
-        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-    except (RuntimeError, MemoryError) as exc:
-        raise ResourceLimitError(f"{where}: cannot allocate {t.name} ({t.dtype}{list(t.shape)}, {t.nbytes} "
-                                 f"bytes): {str(exc).splitlines()[0][:200]}; lower the model size or raise the "
-                                 "memory available to this process") from exc
-
-
-def _run_all(pool: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> list:
-    """``[fn(0), …, fn(n-1)]`` on ``pool``. Returns (or raises the first error) only once every
-    call has finished or was cancelled before starting, even if this thread is interrupted
-    (KeyboardInterrupt, a signal handler's SystemExit) meanwhile; the interrupt is re-raised then.
-    After a first error no further call starts (a version of many broken blocks costs one)."""
-    futures: list[Future] = []
-    interrupt: BaseException | None = None
-    failed = threading.Event()
-
-    def call(i: int) -> object:
-        if failed.is_set():
-            return None
-        try:
-            return fn(i)
-        except BaseException:
-            failed.set()
-            raise
-
-    try:
-        for i in range(n):
-            if failed.is_set():
-                break
-            futures.append(pool.submit(call, i))
-    except BaseException as exc:  # noqa: BLE001 - interrupted while submitting: stop submitting, wait below
-        interrupt = exc
-    while True:
-        try:
-            wait(futures)
-            break
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the workers stopped
-            interrupt = interrupt or exc
-            for f in futures:
-                f.cancel()
-    if interrupt is not None:
-        raise interrupt
-    return [f.result() for f in futures]  # a call skipped after an error returned None: that error raises first
-
-
-def _shielded(fn: Callable[[], object]) -> object:
-    """Run ``fn`` to its end on another thread, whatever interrupts this one, and return its
-    result (or raise its error). Python runs signal handlers only in the main thread, so nothing
-    ``fn`` does can be cut short by KeyboardInterrupt or a handler's SystemExit; such an
-    interrupt is re-raised here once ``fn`` is done."""
-    done = threading.Event()
-    box: list = [None, None]
-
-    def run() -> None:
-        try:
-            box[0] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box[1] = exc
-        finally:
-            done.set()
-
-    t = threading.Thread(target=run, name="xc-apply")
-    interrupt: BaseException | None = None
-    try:
-        t.start()
-    except BaseException as exc:  # noqa: BLE001 - interrupted inside start(): the thread may run anyway
-        interrupt = exc
-        if not t.ident:  # it never started
-            run()
-    while not done.is_set():
-        try:
-            done.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised once fn is done
-            interrupt = interrupt or exc
-    if box[1] is not None:
-        raise box[1]
-    if interrupt is not None:
-        raise interrupt
-    return box[0]
+__all__ = ["AppliedVersion", "Snapshot", "Subscriber", "SubscriberConfig", "SubscriberStats"]

@@ -10,6 +10,11 @@ missing object (404), access denied (403), a bad request — is raised at once.
 do not wait. When the budget is spent, :class:`~xcluster.errors.RetriesExhaustedError` is raised
 with the last failure as its ``__cause__``.
 
+*Integrity* failures (bytes that arrive but fail their size or checksum) are never transient to
+the store's policy: the reader that checks the bytes re-fetches them itself, a fixed number of
+times and at once, with :func:`retry_integrity` — the same tenacity loop, its own predicate
+(:data:`REFETCH_ERRORS`), and the last failure raised as it is (a named integrity error).
+
 botocore is never imported here: an exception can only be a botocore one if botocore is already
 loaded, so it is looked up in ``sys.modules``.
 """
@@ -28,7 +33,8 @@ from typing import TypeVar
 
 import tenacity
 
-from ..errors import ConfigError, RetriesExhaustedError, TransientStoreError, XclusterError
+from ..errors import (ChecksumMismatchError, ConfigError, RetriesExhaustedError, TransientStoreError,
+                      TruncatedObjectError, XclusterError)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,6 +170,61 @@ def _exhausted(what: str, last: tenacity.Future) -> RetriesExhaustedError:
     return RetriesExhaustedError(
         f"{what}: still failing after {last.attempt_number} attempts ({last.exception()!r}); the store is "
         "unreachable or overloaded — check the endpoint, or raise the retry attempts/deadline")
+
+
+#: Integrity failures worth fetching the bytes again for: a body whose checksum or size is wrong
+#: (corrupt in transit, or a torn read). A digest, signature or decompression-bomb failure is not:
+#: the same bytes would fail the same way.
+REFETCH_ERRORS: tuple[type[XclusterError], ...] = (ChecksumMismatchError, TruncatedObjectError)
+
+
+def retry_integrity(fn: Callable[[], T], *, attempts: int,
+                    on_failure: Callable[[BaseException, int], None] | None = None,
+                    on_retry: Callable[[BaseException, int], None] | None = None,
+                    retry_on: type[BaseException] | tuple[type[BaseException], ...] = REFETCH_ERRORS,
+                    backoff_s: float = 0.0, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Run ``fn`` (fetch some bytes and check them) up to ``attempts`` times, the first included,
+    while it raises ``retry_on``; return its first result. Anything else ``fn`` raises is raised at
+    once; when every attempt failed, the last failure is raised as it is (not wrapped).
+
+    ``on_failure(exc, attempt)`` runs after every failed attempt, the last included (counters of
+    failures, a log line); ``on_retry(exc, attempt)`` only before another attempt (counters of
+    re-fetches). Between attempts it waits ``backoff_s`` seconds through ``sleep`` (injected, as
+    for :func:`retrying`); with the default 0 it never sleeps.
+
+    A failure leaves no reference cycle behind (see :func:`release_failures`): ``fn``'s frames,
+    with the bytes they fetched, go as soon as the error is dropped."""
+    if attempts < 1:
+        raise ConfigError(f"integrity attempts must be ≥ 1 (1 means no re-fetch), got {attempts}")
+    if backoff_s < 0:
+        raise ConfigError(f"integrity backoff_s must be ≥ 0 seconds, got {backoff_s}")
+
+    def after(state: tenacity.RetryCallState) -> None:
+        if on_failure is not None and state.outcome is not None:
+            on_failure(state.outcome.exception(), state.attempt_number)
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry is not None and state.outcome is not None:
+            on_retry(state.outcome.exception(), state.attempt_number)
+
+    def pause(seconds: float) -> None:
+        if seconds > 0:  # tenacity calls sleep(0) between attempts without a wait: skip it
+            sleep(seconds)
+
+    retryer = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(retry_on),
+        stop=tenacity.stop_after_attempt(attempts),
+        wait=tenacity.wait_fixed(backoff_s),
+        sleep=pause,
+        after=after,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        return retryer(fn)
+    except BaseException as exc:
+        release_failures(exc)
+        raise
 
 
 def release_failures(*failures: BaseException | None) -> None:

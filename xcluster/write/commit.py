@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..read.chain import read_head
+from ..codec.encoding import parse_manifest
 from ..errors import ChunksMissingError, ConcurrentPublisherError, PreconditionFailedError, XclusterError
-from ..format import HEAD_KEY, Head, Manifest, inflight_key, manifest_key, parse_manifest, version_dir, xxh3_128
+from ..format import HEAD_KEY, Head, Manifest, inflight_key, manifest_key, version_dir, xxh3_128
 from ..format.packing import pack
 from ..store import Store
 

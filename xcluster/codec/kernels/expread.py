@@ -1,6 +1,6 @@
 """Reading one ``sparse-exp2`` segment (FORMAT.md §5a) in compiled code from end to end.
 
-:class:`.expgroup.SegmentReader` reads a segment in a dozen numpy steps around the compiled Rice
+:class:`..encodings.sparse_exp2.SegmentReader` reads a segment in a dozen numpy steps around the compiled Rice
 decoder and select (:mod:`.exprank`): parse the counts, check the Rice parameters, unpack the sign
 and flag bits, join the rests, put the values in element order. On real weights those steps cost
 more than half as much as the select's pass over the range itself (per segment about 100 µs, per

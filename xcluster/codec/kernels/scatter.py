@@ -3,7 +3,7 @@ to undo), wrapping, for unsigned arrays of one width; the positions given as suc
 between them (``sparse-sub``).
 
 numpy's fancy indexing reads every position once and writes it once more in a second pass; a
-compiled loop (numba, codec/jit.py) does both in one and releases the GIL, which halves the cost
+compiled loop (numba, codec/kernels/jit.py) does both in one and releases the GIL, which halves the cost
 of patching a delta. From gaps, the loop also saves the positions array and four numpy calls
 (about 20 µs) per segment: a delta of small tensors has hundreds of segments. Without numba the
 numpy expressions give the same result.

@@ -24,12 +24,11 @@ Pure: numpy arrays in, numpy arrays out. ``positions`` and ``ranks`` are int64, 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
 
-from .jit import NO_COMPILE_ENV, once
+from .jit import disabled, once
 
 _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
@@ -348,7 +347,7 @@ def select_loop(kern: Kernels, changes: int, elements: int):
 @once
 def _kernels() -> Kernels | None:
     """The compiled kernels, or None (numba missing or broken, or turned off)."""
-    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
+    if disabled():
         return None
     try:
         return _compiled_kernels()
@@ -425,7 +424,7 @@ def rice_ranks(unary: np.ndarray, ustart: int, rem: np.ndarray, rstart: int, n: 
 def rice_code(ranks_: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Compiled Rice coding of one ``sparse-exp2`` segment's ranks (change order; group i: the next
     ``n[i]`` ranks, parameter ``k[i]``): its quotient and remainder pieces, the bytes
-    :func:`expgroup.pack`'s numpy code writes; None without the compiled kernels."""
+    :func:`sparse_exp2.pack`'s numpy code writes; None without the compiled kernels."""
     kern = _kernels()
     if kern is None:
         return None

@@ -1,6 +1,6 @@
 """Writing one ``sparse-exp2`` segment (FORMAT.md §5a) in compiled code from end to end.
 
-:func:`.expgroup.build` writes a segment in numpy steps around the compiled ranks pass and Rice
+:func:`..encodings.sparse_exp2.build` writes a segment in numpy steps around the compiled ranks pass and Rice
 coder (:mod:`.exprank`): sort the changes by group, count them, derive the Rice parameters, split
 the counts into byte planes, pack the sign and flag bits, join the rests. Per segment that is
 about 25 numpy calls, each holding the GIL while the other scan worker may wait for it. Here one

@@ -11,6 +11,9 @@ import numpy as np
 
 from . import jit
 
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""The unsigned integer type of each element width: how raw bits are handled (torch-free)."""
+
 
 SCAN_ELEMENTS = 1 << 20
 """Elements compared per pass: both operands of a pass stay in cache for the second look."""

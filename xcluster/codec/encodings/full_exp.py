@@ -23,9 +23,10 @@ import logging
 
 import numpy as np
 
-from ..errors import DecodeError
-from . import jit
-from .streams import Reader
+from ...errors import DecodeError
+from ..kernels import jit
+from ..encoding import FILL, BlockStreams, DecodeInput, Fill, Op, RangeInput, register, stored_bytes
+from ..streams import Reader
 
 RAW_BITS = 6
 """Bits of each value stored as they are: the sign and the five low mantissa bits."""
@@ -331,3 +332,80 @@ class SegmentReader:
         used_up(f"{self.where}: full-exp", bases=(self.b, self.bases), escapes=(self.e, self.escapes),
                 raw=(self.r, self.raw))
         self.symbols.finish()
+
+
+# --- the encoding ---------------------------------------------------------------------------
+NAME = "full-exp"
+
+EXACT = (True, True, False, True)
+"""Which stream lengths :meth:`FullExp.stream_lengths` gives exactly (else a bound)."""
+
+MIN_ELEMENTS = 1024
+"""Ranges of whole values shorter than this stay byte planes: a ``full-exp`` segment's base byte,
+escapes and setup outweigh what it saves there, and all such ranges together are a small part of
+a model (biases, norms)."""
+
+
+class FullExp:
+    """Whole bf16 values: a symbol byte per value (exponent window and top mantissa bits), escapes,
+    the other six bits raw."""
+
+    name, kind, core, reads_range = NAME, FILL, False, False
+    dtypes = ("bfloat16",)
+
+    def stream_lengths(self, width, segments, dtypes):
+        elems = sum(s.count for s in segments)
+        # a base per segment, a symbol per element, at most one escaped exponent per element
+        lengths = [len(segments), elems, elems, sum(raw_bytes(s.count) for s in segments)]
+        return list(zip(lengths, EXACT))
+
+    def stream_level(self, stream: int, level: int) -> int:
+        return SYMBOLS_ZSTD_LEVEL if stream == 1 else level
+
+    def memory(self, block) -> int:
+        # the streams, the decoded values (held until the block is applied) and a segment's tables
+        return sum(s.raw for s in block.streams) + block.width * sum(s.count for s in block.segments) + 64 * 1024
+
+    def on_device(self, old, pos, dtype):
+        return None
+
+    def offer(self, r: RangeInput, best, stored, config):
+        """``full-exp`` pieces where they are smaller stored than ``best`` (ties: ``best``).
+
+        ``full-exp`` stores the raw field (sign and low mantissa bits) as its last stream, and byte
+        planes win only on values with little variety or with repeats (a constant, a few levels,
+        repeated rows), which show in that field (near random in trained weights). So ``best`` is
+        compressed to compare only when zstd shrinks the raw field; and ``full-exp`` with few
+        escapes needs no measuring at all then: it is smaller than the values themselves."""
+        if r.count < MIN_ELEMENTS:
+            return None
+        bits = r.bits
+        pieces = encode(bits)
+        level = config.zstd_level
+        raw_stored = stored_bytes(self, [pieces[-1]], level)
+        if raw_stored >= 0.95 * pieces[-1].nbytes:
+            if 64 * pieces[2].size <= bits.size:
+                return pieces
+            least = bits.nbytes
+        else:
+            least = min(bits.nbytes, stored())
+        size = (pieces[0].nbytes + stored_bytes(self, [pieces[1]], level, first=1)
+                + stored_bytes(self, [pieces[2]], level) + raw_stored)
+        return pieces if size < least else None
+
+    def decode(self, streams: BlockStreams, d: DecodeInput) -> list[Op]:
+        reader = SegmentReader([streams.stream(0), streams.reader(1), streams.stream(2), streams.stream(3)],
+                               where=d.where)
+        ops: list[Op] = []
+        for seg in streams.block.segments:
+            dst = d.into.get(seg.tensor) if d.into is not None else None
+            name = d.tensors[seg.tensor].name
+            if dst is None:
+                ops.append(Fill(seg.tensor, seg.start, [reader.segment(seg.count, name)]))
+            else:
+                reader.segment(seg.count, name, out=dst[seg.start:seg.start + seg.count])
+        reader.finish()
+        return ops
+
+
+ENCODING = register(FullExp())

@@ -19,11 +19,16 @@ NO_COMPILE_ENV = "XCLUSTER_NO_NUMBA"
 """Set to 1 to run the fallbacks instead of compiled loops (the same results, slower)."""
 
 
+def disabled() -> bool:
+    """Whether compiled loops are turned off (``XCLUSTER_NO_NUMBA``): the one place it is read."""
+    return os.environ.get(NO_COMPILE_ENV, "") not in ("", "0")
+
+
 def compile_loops(build: Callable[[Callable], Any], smoke: Callable[[Any], None]) -> Any | None:
     """``build(jit)`` with ``jit`` compiling one function (nogil, no bounds checks), after ``smoke``
     ran the result once; None when numba is missing, broken or turned off. Compiled code is cached
     on disk next to the module where that is writable, else compiled in memory."""
-    if os.environ.get(NO_COMPILE_ENV, "") not in ("", "0"):
+    if disabled():
         return None
     try:
         from numba import njit
