@@ -15,11 +15,14 @@ from dataclasses import dataclass
 
 from ..errors import (ChainBrokenError, ChecksumMismatchError, DecodeError, DecompressionBombError, FormatError,
                      ObjectNotFoundError, ResourceLimitError, RunMismatchError, SignatureError, XclusterError)
-from ..format import (HEAD_KEY, KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key, parse_head,
+from ..format import (KEYFRAME, MAX_CHAIN, MAX_MANIFEST_BYTES, Head, Manifest, manifest_key,
                      xxh3_128)
 from ..codec.encoding import parse_manifest  # with this build's encodings: one it lacks is refused by name
 from ..format.packing import unpack
 from ..store import Store
+from ..ship.head import poll_head, read_head  # the reader's API too: HEAD as both sides read it
+
+__all__ = ["Link", "LinkedManifest", "Plan", "find_link", "poll_head", "read_head", "read_manifest", "walk_back", "walk_links"]
 from ..util.retry import retry_integrity
 
 log = logging.getLogger(__name__)
@@ -71,28 +74,6 @@ class LinkedManifest:
     @property
     def version(self) -> int:
         return self.manifest.version
-
-
-def read_head(store: Store) -> tuple[Head | None, str | None]:
-    """HEAD and its etag; ``(None, None)`` on an empty prefix."""
-    try:
-        blob = store.get(HEAD_KEY)
-    except ObjectNotFoundError:
-        return None, None
-    assert blob is not None
-    return parse_head(blob.data, where=f"{store.url}/{HEAD_KEY}"), blob.etag
-
-
-def poll_head(store: Store, etag: str | None) -> tuple[Head | None, str | None] | None:
-    """One conditional GET of HEAD: ``None`` when it still has ``etag`` (nothing new), else
-    ``(head, etag)`` — ``(None, None)`` when the prefix is empty."""
-    try:
-        blob = store.get(HEAD_KEY, if_none_match=etag)
-    except ObjectNotFoundError:
-        return None, None
-    if blob is None:
-        return None
-    return parse_head(blob.data, where=f"{store.url}/{HEAD_KEY}"), blob.etag
 
 
 def read_manifest(store: Store, link: Link, *, retries: int = 2,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..codec.encoding import parse_manifest
 from ..errors import CheckpointMismatchError, FormatError, ObjectNotFoundError
-from ..format import (CHECKPOINT, CHECKPOINT_PREFIX, INIT_NONE, MAX_MANIFEST_BYTES, Manifest, checkpoint_key,
+from ..format import (CHECKPOINT, CHECKPOINT_PREFIX, MAX_MANIFEST_BYTES, Manifest, checkpoint_key,
                      xxh3_128)
 from ..format.packing import unpack
 from ..store import Store
@@ -110,29 +110,6 @@ def check_checkpoint(cp: Manifest, version: Manifest, version_hash: str, version
                                       + "; ".join(problems))
 
 
-def checkpoint_manifest(version: Manifest, version_manifest: str, version_hash: str, encoded, *,
-                        created_unix_ms: int) -> Manifest:
-    """The checkpoint manifest of committed ``version`` from its full encoding ``encoded``
-    (tensors in the same, sorted, order): the version's own tensor entries, all ``init: none``."""
-    from dataclasses import replace
-
-    from ..format import ManifestLink
-    names = [t.name for t in encoded.tensors]
-    if names != [t.name for t in version.tensors]:
-        raise CheckpointMismatchError(f"the state to checkpoint has other tensors than version {version.version}")
-    for e, t in zip(encoded.tensors, version.tensors):
-        if (e.dtype, e.shape) != (t.dtype, t.shape):
-            raise CheckpointMismatchError(f"{t.name} is {e.dtype}{list(e.shape)} in the state to checkpoint, "
-                                          f"{t.dtype}{list(t.shape)} in version {version.version}")
-    return Manifest(
-        version=version.version, kind=CHECKPOINT, base_version=None, base_model_digest=None,
-        base_manifest_xxh3_128=None, keyframe_version=version.keyframe_version, step=version.step,
-        created_unix_ms=created_unix_ms, model_digest=version.model_digest,
-        tensors=tuple(replace(t, init=INIT_NONE) for t in version.tensors), chunks=tuple(encoded.chunks),
-        blocks=tuple(encoded.blocks), changed_elements=version.total_elements, files=version.files,
-        run_id=version.run_id, checkpoint_of=ManifestLink(version.version, version_manifest, version_hash))
-
-
 def has_checkpoint(store: Store, version: int) -> bool:
     try:
         return any(_CHECKPOINT_KEY.fullmatch(k) for k in store.list(f"checkpoints/{version:012d}/"))
@@ -140,6 +117,6 @@ def has_checkpoint(store: Store, version: int) -> bool:
         return False
 
 
-__all__ = ["CheckpointRef", "LoadedCheckpoint", "check_checkpoint", "checkpoint_key", "checkpoint_manifest",
+__all__ = ["CheckpointRef", "LoadedCheckpoint", "check_checkpoint", "checkpoint_key",
            "checkpoint_version_of", "has_checkpoint", "list_checkpoints", "newest_checkpoint_version",
            "read_checkpoint"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..read.checkpoint import checkpoint_manifest
+from ..format.checkpoint import checkpoint_manifest
 from ..codec.encode import CodecConfig
 from ..errors import PreconditionFailedError
 from ..format import CHECKPOINT, KIND_TAG, Manifest, checkpoint_dir, checkpoint_key, manifest_name_for

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..read.chain import read_head
+from ..ship.head import read_head
 from ..codec.encoding import parse_manifest
 from ..errors import ChunksMissingError, ConcurrentPublisherError, PreconditionFailedError, XclusterError
 from ..format import HEAD_KEY, Head, Manifest, inflight_key, manifest_key, version_dir, xxh3_128

@@ -50,7 +50,7 @@ from ..codec.digest import model_digest_from, tensor_digest
 from ..errors import ConfigError, RankLostError, ShardedPublishError, ShardLayoutError, XclusterError
 from .files import FileSet, collect_files
 from ..format import DELTA, KEYFRAME, KIND_TAG, Manifest, canonical_json, manifest_key, manifest_name_for
-from ..read.checkpoint import checkpoint_manifest
+from ..format.checkpoint import checkpoint_manifest
 from ..format import CHECKPOINT, checkpoint_dir, checkpoint_key
 from ..format.packing import pack
 from .publisher import PublisherConfig
