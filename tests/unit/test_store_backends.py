@@ -73,3 +73,34 @@ def test_fsspec_url_with_empty_segment_is_refused():
     with pytest.raises(ConfigError, match="memory://xc-a//b"):
         open_store("memory://xc-a//b")
     assert isinstance(open_store("memory://xc-a/b/"), FsspecStore)
+
+
+@pytest.mark.parametrize("replaced", [1, 2, 3])
+def test_s3_get_starts_over_while_the_object_is_replaced_mid_download(replaced):
+    """A large GET is fetched as parts under If-Match; an object replaced meanwhile is fetched
+    again from its new HEAD, three times at most (then a named StoreError)."""
+    from xcluster.errors import PreconditionFailedError, StoreError
+    from xcluster.store.s3.store import S3Store
+
+    class Download:
+        smalls = parts = 0
+
+        def get_small(self, key, full, if_none_match):
+            self.smalls += 1
+            return {"ETag": f'"v{self.smalls}"'}  # too large for one GET: its parts follow
+
+        def get_parts(self, key, full, head):
+            self.parts += 1
+            if self.parts <= replaced:
+                raise PreconditionFailedError(f"{key} changed")
+            return bytearray(b"payload " + head["ETag"].encode())
+
+    store = S3Store("bucket", "p", client=object())
+    store._download = dl = Download()
+    if replaced < 3:
+        blob = store.get("big")
+        assert bytes(blob.data) == f'payload "v{replaced + 1}"'.encode() and blob.etag == f'"v{replaced + 1}"'
+    else:
+        with pytest.raises(StoreError, match="kept changing while it was downloaded"):
+            store.get("big")
+    assert (dl.smalls, dl.parts) == (min(replaced + 1, 3),) * 2

@@ -30,6 +30,7 @@ from .conditional import ConditionalWrites, conditions
 from .config import S3Config
 from .context import S3Context, S3Stats
 from .transfer import Downloader, Uploader, write_metadata
+from ...util.retry import retry_integrity
 
 __all__ = ["S3Config", "S3Store", "S3Stats"]
 
@@ -198,17 +199,21 @@ class S3Store:
         (``If-Match`` its etag), started over if it is replaced meanwhile (3 tries)."""
         full = self._full(key)
         where = self._where(key)
-        for _ in range(3):  # restart if the object is replaced while its parts are fetched
+
+        def attempt() -> Blob | None:
             head = self._ctx.run(f"{where}: get",
                                  lambda: self._download.get_small(key, full, if_none_match))
             if head is None or isinstance(head, Blob):
                 return head
-            try:
-                return Blob(self._download.get_parts(key, full, head), head["ETag"])
-            except PreconditionFailedError:
-                log.info("%s changed while it was downloaded; starting over", where)
-        raise StoreError(f"{where} kept changing while it was downloaded; is a writer rewriting it "
-                         "in a loop?")
+            return Blob(self._download.get_parts(key, full, head), head["ETag"])
+
+        try:  # started over (the one retry policy) if the object is replaced while its parts are fetched
+            return retry_integrity(attempt, attempts=3, retry_on=PreconditionFailedError,
+                                   on_retry=lambda exc, n: log.info("%s changed while it was downloaded; "
+                                                                    "starting over", where))
+        except PreconditionFailedError:
+            raise StoreError(f"{where} kept changing while it was downloaded; is a writer rewriting it "
+                             "in a loop?") from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """One ranged GET of up to ``multipart_threshold`` bytes; if the object holds more of
