@@ -6,7 +6,6 @@
 # parametrized over both.
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit

@@ -11,10 +11,10 @@ import torch
 import xcluster
 from tests.support.faultproxy import KINDS, FaultProxy
 from xcluster.codec.digest import model_digest
-from xcluster.format import CORE_ENCODINGS
+from xcluster.codec.encoding import core_names
 from xcluster.format.packing import unpack
 from xcluster.util.retry import RetryPolicy
-from xcluster.store.s3.config import MiB
+CORE_ENCODINGS = core_names()
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from xcluster.errors import (ConfigError, PublishCancelledError, PublisherClosed
                              StoreError)
 from xcluster.read.chain import find_link, read_head, read_manifest
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, make_weights
 
 WAIT = 30.0  # generous bound on anything that should happen promptly
 
@@ -54,12 +54,8 @@ class GatedStore:
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(64, 256, generator=g).to(torch.bfloat16)
-    bits = w.view(torch.int16).reshape(-1)
-    for s in range(1, step + 1):
-        bits[torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(s))[:200]] += 1
-    return {"w": w, "b": torch.arange(16, dtype=torch.int32) * step, "step": torch.tensor(step)}
+    return {**make_weights(step, seed=3, shapes={"w": (64, 256)}),
+            "b": torch.arange(16, dtype=torch.int32) * step, "step": torch.tensor(step)}
 
 
 @pytest.fixture

@@ -13,18 +13,17 @@ from xcluster.errors import (BaseMismatchError, ChainBrokenError, ChecksumMismat
                              DecompressionBombError, FormatError, LegacyFormatError, SchemaVersionError,
                              TruncatedObjectError,
                              UnsafeNameError, XclusterError)
-from xcluster.format import CORE_ENCODINGS, HEAD_KEY, Head, chunk_key, parse_head, parse_manifest, xxh3_128
+from xcluster.format import HEAD_KEY, chunk_key, parse_head, parse_manifest, xxh3_128
+from xcluster.codec.encoding import core_names
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, follow_blocks, manifest_bytes, mkey, put_manifest
+from tests.unit.helpers import assert_state_equal, follow_blocks, make_weights, manifest_bytes, mkey, put_manifest
+CORE_ENCODINGS = core_names()
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(100)
-    base = torch.randn(256, 256, generator=g).to(torch.bfloat16)
-    bits = base.view(torch.int16).reshape(-1)
-    idx = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(step))[:2000]
-    bits[idx] += step
-    return {"w": base, "b": torch.full((16,), float(step))}
+    """Version ``step`` differs from the base in about 2000 elements of ``w`` (each by ``step`` ulps)."""
+    return {**make_weights(step, seed=100, shapes={"w": (256, 256)}, changed=2000, cumulative=False, bump="step"),
+            "b": torch.full((16,), float(step))}
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import torch
 import zstandard
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, SubscriberConfig
-from xcluster.format import CORE_ENCODINGS
+from xcluster.codec.encoding import core_names
 from xcluster.read.chain import find_link, read_head
 from xcluster.errors import (BaseMismatchError, ChainBrokenError, DecodeError,
                              DecompressionBombError, DigestMismatchError, FormatError, LegacyFormatError,
@@ -33,7 +33,8 @@ from xcluster.errors import (BaseMismatchError, ChainBrokenError, DecodeError,
 from xcluster.format import HEAD_KEY, MAX_MANIFEST_BYTES, MAX_VERSION, chunk_key, version_dir, xxh3_128
 from xcluster.format.packing import pack, unpack
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, follow_blocks, memory_store
+from tests.unit.helpers import assert_state_equal, follow_blocks, make_weights, memory_store
+CORE_ENCODINGS = core_names()
 
 MiB = 1 << 20
 DEFAULT_MAX_MIB = 24   # a few MiB is what these tiny stores need; every bomb below aims at >= 256 MiB
@@ -41,11 +42,7 @@ DEFAULT_MAX_S = 10.0   # bounds against runaway behaviour, not a performance tes
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(64, 64, generator=g).to(torch.bfloat16)
-    bits = w.view(torch.int16).reshape(-1)
-    bits[torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(step))[:200]] += step
-    return {"b": torch.full((16,), float(step)), "w": w}
+    return {"b": torch.full((16,), float(step)), **make_weights(step, seed=7, cumulative=False, bump="step")}
 
 
 # --- the store under attack ------------------------------------------------------------------

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from xcluster.codec import changes
-from xcluster.codec.changes import (SCAN_ELEMENTS, find_changes, gaps_of, join_planes, sparse_sub_pieces, split_planes,
+from xcluster.codec.kernels import changes
+from xcluster.codec.kernels.changes import (SCAN_ELEMENTS, find_changes, gaps_of, join_planes, sparse_sub_pieces, split_planes,
                                      unzigzag, zigzag_diff)
 from xcluster.codec.dtypes import UINT
 

@@ -19,7 +19,7 @@ from xcluster.fleet.relay import Relay, RelayConfig
 from xcluster.fleet.retention import RetentionConfig, gc
 from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal, manifest_bytes
+from tests.unit.helpers import assert_state_equal, make_weights, manifest_bytes
 
 FAR = time.time() + 10 * 86400
 
@@ -27,11 +27,8 @@ FAR = time.time() + 10 * 86400
 def model(step: int) -> dict[str, torch.Tensor]:
     """A bf16 model whose elements drift a few at a time, as under Adam: step s differs from s-1
     in about 1% of ``w``'s elements and in all of ``b``."""
-    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    bits = w.view(torch.int16).view(-1)
-    for s in range(1, step + 1):
-        bits[torch.randint(0, bits.numel(), (60,), generator=torch.Generator().manual_seed(s))] += 1
-    return {"w": w, "b": torch.full((8,), float(step), dtype=torch.bfloat16)}
+    return {**make_weights(step, shapes={"w": (96, 64)}, changed=60, pick="randint"),
+            "b": torch.full((8,), float(step), dtype=torch.bfloat16)}
 
 
 def publish(store, n: int, *, follower: Subscriber | None = None, **cfg) -> Publisher:

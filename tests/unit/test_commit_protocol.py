@@ -12,17 +12,11 @@ from xcluster.errors import ConcurrentPublisherError, StoreError
 from xcluster.format import HEAD_KEY, parse_head, parse_manifest
 from xcluster.store import LocalStore
 from xcluster.format.packing import unpack
-from tests.unit.helpers import assert_state_equal, manifest_bytes, mkey, put_manifest
+from tests.unit.helpers import assert_state_equal, make_weights, manifest_bytes, mkey, put_manifest
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(128, 128, generator=g).to(torch.bfloat16)
-    bits = w.view(torch.int16).reshape(-1)
-    for s in range(1, step + 1):
-        idx = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(s))[:300]
-        bits[idx] += 1
-    return {"w": w, "step": torch.tensor(step)}
+    return {**make_weights(step, seed=7, shapes={"w": (128, 128)}, changed=300), "step": torch.tensor(step)}
 
 
 class FailingStore:
@@ -269,12 +263,8 @@ def test_keyframe_every_above_max_chain_is_refused_with_the_rule():
 def test_a_checkpoint_when_the_deltas_outweigh_a_fraction_of_the_last_one_and_versions_stay_deltas(tmp_path):
     from xcluster.read.checkpoint import list_checkpoints
 
-    big = {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}
-
-    def step(s: int) -> dict[str, torch.Tensor]:
-        w = big["w"].clone()
-        w.view(torch.int16).view(-1)[: 2000 * s] += 1  # a growing delta every step
-        return {"w": w}
+    def step(s: int) -> dict[str, torch.Tensor]:  # a growing delta every step
+        return make_weights(s, shapes={"w": (256, 256)}, base="zeros", changed=2000, pick="prefix")
 
     store = LocalStore(tmp_path / "on")
     pub = Publisher(store=store, config=PublisherConfig(checkpoint_every=1000, checkpoint_chain_fraction=0.05))

@@ -14,8 +14,8 @@ import torch
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
 from xcluster.codec import scan_torch
-from xcluster.codec.changes import zigzag_diff
-from xcluster.codec.expgroup import EXP_FIELDS
+from xcluster.codec.kernels.changes import zigzag_diff
+from xcluster.codec.encodings.sparse_exp2 import EXP_FIELDS
 from xcluster.codec.encode import encode_version
 from xcluster.codec.dtypes import UINT, dtype_name, np_bits
 from xcluster.errors import ConfigError, StoreError

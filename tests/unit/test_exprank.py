@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xcluster.codec import exprank
+from xcluster.codec.kernels import exprank, jit
 
 FIELDS = [(np.uint16, 7, 0xFF), (np.uint16, 10, 0x1F), (np.uint32, 23, 0xFF), (np.uint8, 3, 0xF), (np.uint8, 2, 0x1F)]
 
@@ -84,7 +84,7 @@ def test_select_refuses_a_rank_past_its_group(use_numpy):
 
 
 def test_numba_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv(exprank.NO_COMPILE_ENV, "1")
+    monkeypatch.setenv(jit.NO_COMPILE_ENV, "1")
     exprank._kernels.cache_clear()
     try:
         assert not exprank.compiled()
@@ -92,7 +92,7 @@ def test_numba_can_be_turned_off(monkeypatch):
         g, r, _ = exprank.ranks(bits, np.array([3, 5]), 7, 0xFF)
         assert g.tolist() == [3, 5] and r.tolist() == [0, 0]
     finally:
-        monkeypatch.delenv(exprank.NO_COMPILE_ENV)
+        monkeypatch.delenv(jit.NO_COMPILE_ENV)
         exprank._kernels.cache_clear()
 
 
@@ -125,7 +125,7 @@ around the compiled Rice decoder and select, or numpy alone."""
 
 
 def _decode(pieces, olds, nnzs, dtype, udt, reader):
-    from xcluster.codec import expgroup
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
     from xcluster.errors import DecodeError
 
     r = expgroup.SegmentReader([p.copy() for p in pieces], np.dtype(udt).itemsize, "t")
@@ -148,8 +148,8 @@ def test_compiled_and_numpy_rice_decoders_agree(field, sizes, density, seed):
     """A block of 1-3 sparse-exp2 segments decodes to the same changes read in one compiled call,
     with the compiled Rice decoder and select, and with numpy alone; with a bit flipped anywhere,
     all refuse it or all decode the same."""
-    from xcluster.codec import expgroup
-    from xcluster.codec.changes import zigzag_diff
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
+    from xcluster.codec.kernels.changes import zigzag_diff
 
     dtype, udt = field
     rng = np.random.default_rng(seed)
@@ -192,7 +192,8 @@ def test_compiled_writer_writes_the_numpy_bytes(field, n, density, big, seed):
     """codec/expwrite.py writes a sparse-exp2 segment to the very bytes of the numpy steps
     (group_ranks, then pack), for every dtype with exponent groups, any share of changes that moved
     more than one step, and values up to the width's largest."""
-    from xcluster.codec import expgroup, expwrite
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
+    from xcluster.codec.kernels import expwrite
 
     dtype, udt = field
     rng = np.random.default_rng(seed)
@@ -217,7 +218,8 @@ def test_compiled_writer_writes_the_numpy_bytes(field, n, density, big, seed):
 def test_compiled_writer_derives_every_rice_parameter_as_rice_k():
     """The Rice parameter the compiled writer stores for a group of ``pop`` elements with ``nnz``
     changes is expgroup.rice_k's, on both sides of every step of it."""
-    from xcluster.codec import expgroup, expwrite
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
+    from xcluster.codec.kernels import expwrite
 
     for nnz in (1, 2, 3, 5, 7):
         pops = np.arange(nnz, 9000, dtype=np.int64)
@@ -233,8 +235,9 @@ def test_sparse_exp2_segments_are_read_in_one_compiled_call(monkeypatch):
     """Where numba works, a sparse-exp2 segment is read by codec/expread.py (no numpy steps), a
     sparse-exp one is not (its Rice parameters need the group sizes); without expread's loops the
     numpy steps read the same segment to the same changes."""
-    from xcluster.codec import expgroup, expread
-    from xcluster.codec.changes import zigzag_diff
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
+    from xcluster.codec.kernels import expread
+    from xcluster.codec.kernels.changes import zigzag_diff
 
     rng = np.random.default_rng(5)
     old = (rng.standard_normal(20000) * 0.02).astype(np.float32).view(np.uint32)
@@ -264,7 +267,7 @@ def test_sparse_exp2_segments_are_read_in_one_compiled_call(monkeypatch):
 def test_compiled_and_numpy_rice_coders_write_the_same_bytes(groups, seed):
     """expgroup.pack's Rice codes (quotients, remainders): the compiled loop writes numpy's bytes,
     for every Rice parameter up to 31 and gaps from 0 to far past 2**k, and they decode back."""
-    from xcluster.codec import expgroup
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
 
     rng = np.random.default_rng(seed)
     n = np.array([g[0] for g in groups], dtype=np.int64)

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xcluster.codec import exprank
+from xcluster.codec.kernels import exprank, jit
 
 pytest.importorskip("numba")
-from xcluster.codec import expselect  # noqa: E402  (imports numba)
+from xcluster.codec.kernels import expselect  # noqa: E402  (imports numba)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_mask_select_compiles_for_a_generic_cpu():
     machine is): the vector step is plain LLVM IR, so the masks still compile and agree."""
     pytest.importorskip("numba")
     probe = ("import numpy as np\n"
-             "from xcluster.codec import exprank\n"
+             "from xcluster.codec.kernels import exprank\n"
              "k = exprank.kernels()\n"
              "assert k is not None and k.select is not k.plain_select\n"
              "bits = (np.arange(5000, dtype=np.uint16) % 23 + 100) << np.uint16(7)\n"
@@ -159,7 +159,7 @@ def test_mask_select_compiles_for_a_generic_cpu():
              "assert got[2] and got[0].tolist() == pos.tolist(), got\n"
              "print('ok')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CPU_NAME": "generic"}
-    env.pop(exprank.NO_COMPILE_ENV, None)
+    env.pop(jit.NO_COMPILE_ENV, None)
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -6,17 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xcluster import Publisher, PublisherConfig
+from xcluster import Publisher
 from xcluster.errors import ConfigError, ModelDirError, UnsafeNameError
 from xcluster.follow.daemon import Daemon, DaemonConfig
 from xcluster.follow.modeldir import ModelDir
 from xcluster.store import LocalStore
+from tests.unit.helpers import make_weights
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    w = torch.arange(4096, dtype=torch.float32).reshape(64, 64).to(torch.bfloat16)
-    w.view(torch.int16).view(-1)[: 40 * step] += 1
-    return {"w": w, "b": torch.full((8,), float(step))}
+    return {**make_weights(step, base="arange", changed=40, pick="prefix"), "b": torch.full((8,), float(step))}
 
 
 def run_once(url, out) -> int:

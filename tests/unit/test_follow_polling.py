@@ -16,6 +16,7 @@ from xcluster import Publisher, PublisherConfig
 from xcluster.follow.daemon import Daemon, DaemonConfig
 from xcluster.format import HEAD_KEY
 from xcluster.store.local import LocalStore
+from tests.unit.helpers import make_weights
 
 
 class CountingStore(LocalStore):
@@ -35,9 +36,7 @@ class CountingStore(LocalStore):
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    w = torch.arange(4096, dtype=torch.float32).reshape(64, 64).to(torch.bfloat16)
-    w.view(torch.int16).view(-1)[: 40 * step] += 1
-    return {"w": w}
+    return make_weights(step, base="arange", changed=40, pick="prefix")
 
 
 def _follower(tmp_path, keyframe_every: int) -> tuple[CountingStore, Publisher, Daemon]:

@@ -13,16 +13,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
-from xcluster.codec import encode as encode_mod
-from xcluster.codec import fullexp
+from xcluster.codec.encodings import full_exp as fullexp
 from xcluster.codec.decode import Fill, decode_block
 from xcluster.codec.encode import encode_version
 from xcluster.codec.dtypes import flat_bits, torch_dtype
 from xcluster.errors import DecodeError, DecompressionBombError, FormatError, UnknownEncodingError
-from xcluster.format import CORE_ENCODINGS, FULL_EXP, PLANES
+from xcluster.codec.encoding import core_names, parse_manifest
+from tests.support.encodings import without_encodings
 from tests.unit.helpers import assert_state_equal, manifest_bytes, memory_store
 from tests.unit.test_roundtrip import SMALL, perturb, random_tensor
 from tests.unit.test_roundtrip import roundtrip as publish_roundtrip
+FULL_EXP, PLANES = "full-exp", "planes"
+CORE_ENCODINGS = core_names()
 
 AVAILABLE = [FULL_EXP]
 ENCODINGS = [FULL_EXP]
@@ -94,9 +96,9 @@ def test_old_readers_and_bad_manifests_are_refused(encoding):
     data = manifest_bytes(store, 1)
     obj = json.loads(data)
     assert obj["encodings"] == [FULL_EXP, PLANES]
-    with mock.patch.object(fmt.manifest, "ENCODINGS", CORE_ENCODINGS):  # a reader without the encoding
+    with without_encodings(encoding):  # a reader without the encoding
         with pytest.raises(UnknownEncodingError, match=f"uses encoding '{encoding}'"):
-            fmt.parse_manifest(data)
+            parse_manifest((data))
     with pytest.raises(FormatError, match=f"encoding '{encoding}' is not one the manifest's 'encodings' lists"):
         fmt.parse_manifest(fmt.canonical_json(dict(obj, encodings=[PLANES])))
     with pytest.raises(FormatError, match="its blocks use"):
@@ -109,14 +111,14 @@ def test_old_readers_and_bad_manifests_are_refused(encoding):
     f16 = [i for i, t in enumerate(bad["tensors"]) if t["dtype"] == "float16"][0]
     block(bad)["segments"][0] = [f16, 0, 100, 100]
     with pytest.raises(FormatError, match="only bfloat16"):
-        fmt.parse_manifest(fmt.canonical_json(bad))
+        parse_manifest((fmt.canonical_json(bad)))
     # a declared raw length other than the segments fix: the raw fields, then the symbols
     for stream in (3, 1):
         for delta in (1, -1):
             bad = json.loads(data)
             block(bad)["streams"][stream][2] += delta
             with pytest.raises((FormatError, DecompressionBombError), match=f"stream {stream} declares"):
-                fmt.parse_manifest(fmt.canonical_json(bad))
+                parse_manifest((fmt.canonical_json(bad)))
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
@@ -157,8 +159,8 @@ def test_property_keyframes_any_dtype_shape(encoding, dtype, shape, density, see
         versions.append(cur)
     cfg = SMALL
     if force:  # every length, down to one element
-        with mock.patch.object(encode_mod, "_full", lambda planes, bits, cfg: (encoding, PIECES[encoding](bits))), \
-                mock.patch.object(encode_mod, "FULL_MIN_ELEMENTS", 1):
+        with mock.patch.object(type(fullexp.ENCODING), "offer", lambda self, r, best, stored, cfg: PIECES[encoding](r.bits)), \
+                mock.patch.object(fullexp, "MIN_ELEMENTS", 1):
             publish_roundtrip(versions, keyframe_every=2, codec=cfg)
     else:
         publish_roundtrip(versions, keyframe_every=2, codec=cfg)

@@ -14,13 +14,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber
-from xcluster.codec import fullexp, streams
+from xcluster.codec import streams
+from xcluster.codec.encoding import parse_manifest
+from xcluster.codec.encodings import full_exp as fullexp
 from xcluster.codec.encode import encode_version
 from xcluster.errors import DecodeError, DecompressionBombError
-from xcluster.format import CORE_ENCODINGS, FULL_EXP, PLANES
+from xcluster.codec.encoding import core_names
 from tests.unit.helpers import bf16_weights as weights
 from tests.unit.helpers import manifest_bytes, memory_store
 from tests.unit.test_full_values import published, state
+FULL_EXP, PLANES = "full-exp", "planes"
+CORE_ENCODINGS = core_names()
 
 LOOPS = [False, True] if fullexp.compiled() else [True]
 """numpy=False (the compiled loops) and numpy=True."""
@@ -282,4 +286,4 @@ def test_more_escapes_than_elements_is_a_bomb():
     blk = [b for b in bad["blocks"] if b["encoding"] == FULL_EXP][0]
     blk["streams"][2][2] = sum(s[2] for s in blk["segments"]) + 1
     with pytest.raises(DecompressionBombError, match="stream 2 declares"):
-        fmt.parse_manifest(fmt.canonical_json(bad))
+        parse_manifest(fmt.canonical_json(bad))

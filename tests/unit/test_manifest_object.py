@@ -22,19 +22,13 @@ from xcluster.fleet.relay import Relay, RelayConfig
 from xcluster.fleet.retention import RetentionConfig, gc
 from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, make_weights
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    out = {f"layers.{i}.w": torch.randn(64, 48, generator=g).to(torch.bfloat16) for i in range(12)}
-    for s in range(1, step + 1):
-        for t in out.values():
-            idx = torch.randint(0, t.numel(), (30,), generator=torch.Generator().manual_seed(s))
-            t.view(torch.int16).view(-1)[idx] += 1
-    return out
+    return make_weights(step, shapes={f"layers.{i}.w": (64, 48) for i in range(12)}, changed=30, pick="randint")
 
 
 def publish(store, steps, **kw) -> list:

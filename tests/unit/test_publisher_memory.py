@@ -12,12 +12,11 @@ import torch
 from xcluster import Publisher, PublisherConfig, Subscriber
 from xcluster.errors import StoreError
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, make_weights
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(32, generator=g)}
+    return make_weights(seed=seed, shapes={"a": (64, 64), "b": (32,)}, dtypes={"b": torch.float32})
 
 
 class _WatchingStore:

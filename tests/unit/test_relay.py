@@ -17,17 +17,13 @@ from xcluster.format import HEAD_KEY, lease_key, parse_head, parse_lease
 from xcluster.fleet.relay import Relay, RelayConfig
 from xcluster.trust.signing import generate_keypair
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, make_weights
 
 ONCE = dict(once=True, lease_every_s=0)
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for s in range(1, step + 1):
-        idx = torch.randint(0, w.numel(), (300,), generator=torch.Generator().manual_seed(s))
-        w.view(torch.int16).view(-1)[idx] += 1
-    return {"w": w, "step": torch.tensor([step])}
+    return {**make_weights(step, shapes={"w": (256, 64)}, changed=300, pick="randint"), "step": torch.tensor([step])}
 
 
 def publish(store, steps, **kw) -> Publisher:
@@ -96,6 +92,37 @@ def test_an_object_that_does_not_verify_is_never_written(tmp_path):
     assert r.stats.refetches == 2
     assert parse_head(dst.get(HEAD_KEY).data).version == 2
     assert dst.list("versions/000000000003/") == []
+
+
+@pytest.mark.parametrize("garbled_reads, raised", [(1, None), (2, "TruncatedObjectError")],
+                         ids=["short once", "short every time"])
+def test_an_object_read_short_in_transit_is_fetched_again_then_refused(tmp_path, garbled_reads, raised):
+    from xcluster import errors
+
+    src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    pub = publish(src, range(2))
+    relay(src, dst)
+    pub.publish(weights(2), step=2)
+    (key,) = [k for k in src.list("versions/000000000003/") if k.endswith(".xc")]
+    left = [garbled_reads]
+
+    class Short(LocalStore):
+        def get_range(self, k, start, length):
+            data = super().get_range(k, start, length)
+            if k == key and left[0] > 0:
+                left[0] -= 1
+                return data[:-1]
+            return data
+
+    r = Relay(src_store=Short(tmp_path / "src"), dst_store=dst, config=RelayConfig(**ONCE, integrity_retries=1))
+    if raised is None:
+        assert r.step() == 3
+        assert dst.get(key).data == src.get(key).data
+    else:
+        with pytest.raises(getattr(errors, raised), match="its manifest says .*: not copied"):
+            r.step()
+        assert parse_head(dst.get(HEAD_KEY).data).version == 2
+    assert r.stats.refetches == garbled_reads  # every failed read counts, the last included
 
 
 def test_a_source_rolled_back_is_not_propagated(tmp_path):

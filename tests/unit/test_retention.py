@@ -15,7 +15,7 @@ from xcluster.format import Lease, file_key, lease_key
 from xcluster.fleet.retention import RetentionConfig, gc
 from xcluster.fleet.status import fleet_status
 from xcluster.store import LocalStore
-from tests.unit.helpers import assert_state_equal
+from tests.unit.helpers import assert_state_equal, make_weights
 from tests.unit.test_commit_protocol import weights
 
 FAR = 4e9  # "now" far in the future (2096): every object is past its grace
@@ -260,8 +260,7 @@ def test_a_file_gc_removed_is_uploaded_again_when_a_later_version_names_it(tmp_p
 
 
 def _bigger(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(64, generator=g)}  # several 64 KiB chunks
+    return make_weights(seed=step, shapes={"w": (256, 256), "b": (64,)}, dtype=torch.float32)  # several 64 KiB chunks  # several 64 KiB chunks
 
 
 def test_gc_keeps_an_upload_that_outlives_the_grace_period(tmp_path):

@@ -78,3 +78,35 @@ def test_a_failed_engine_hand_off_keeps_no_caller_alive(tmp_path):
         assert ref() is None, "the caller's frame outlived the hand-off: a reference cycle holds it"
     finally:
         gc.enable()
+
+
+def test_a_failed_integrity_retry_keeps_no_caller_alive():
+    """The bytes of a chunk that never verified, and the caller's frame, go with the error."""
+    from xcluster.errors import ChecksumMismatchError
+    from xcluster.util.retry import retry_integrity
+
+    fetched: list[weakref.ref] = []
+
+    def fetch():
+        data = _Weights()  # stands for the bytes fetched, a local of the failed attempt
+        fetched.append(weakref.ref(data))
+        raise ChecksumMismatchError("s3://b/k hashes to 0, the manifest says 1")
+
+    def caller() -> tuple[weakref.ref, BaseException]:
+        weights = _Weights()
+        try:
+            retry_integrity(fetch, attempts=3)
+        except ChecksumMismatchError as exc:
+            return weakref.ref(weights), exc
+        raise AssertionError("the fetch did not fail")
+
+    gc.collect()
+    gc.disable()
+    try:
+        ref, exc = caller()
+        assert len(fetched) == 3
+        del exc
+        assert ref() is None, "the caller's frame outlived the fetch: a reference cycle holds it"
+        assert all(r() is None for r in fetched), "a failed attempt's bytes outlived it"
+    finally:
+        gc.enable()

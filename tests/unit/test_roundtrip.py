@@ -16,10 +16,14 @@ from hypothesis import strategies as st
 
 from xcluster import CodecConfig, Publisher, PublisherConfig, Subscriber, model_digest
 from xcluster.codec import encode
-from xcluster.codec.changes import unzigzag
+from xcluster.codec.kernels.changes import unzigzag
 from xcluster.codec.dtypes import DTYPE_NAMES, flat_bits, torch_dtype
-from xcluster.format import CORE_ENCODINGS, SPARSE_EXP2, SPARSE_SUB
+from xcluster.codec.encoding import core_names
+from xcluster.codec.encodings import sparse_exp2
+from tests.support.encodings import without_encodings
 from tests.unit.helpers import assert_state_equal, memory_store
+SPARSE_EXP2, SPARSE_SUB = "sparse-exp2", "sparse-sub"
+CORE_ENCODINGS = core_names()
 
 ALL_DTYPES = sorted(DTYPE_NAMES)
 SMALL = CodecConfig(block_bytes=4096, chunk_bytes=8192)  # many blocks and chunks even for tiny tensors
@@ -187,8 +191,8 @@ def ulp_steps(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Te
 def always_exp():
     """Write ``sparse-exp2`` for every eligible sparse range, smaller or not (so the property test
     reaches its decoder on every shape)."""
-    with mock.patch.object(encode, "_smaller", lambda v1, v2, count, cfg: (SPARSE_EXP2, v2())), \
-            mock.patch.object(encode, "EXP_MIN_CHANGES", 1):
+    with mock.patch.object(sparse_exp2, "MIN_SAVING", -float("inf")), \
+            mock.patch.object(sparse_exp2, "MIN_CHANGES", 1):
         yield
 
 
@@ -265,8 +269,8 @@ def test_core_only_config_writes_only_core_encodings():
 def test_sparse_exp_streams_are_checked():
     """Every byte of a sparse-exp2 block is accounted for: flipping any bit is caught by the
     decoder's checks or by the digest, never a crash or a silent wrong weight."""
-    from xcluster.codec import expgroup
-    from xcluster.codec.changes import find_changes, zigzag_diff
+    from xcluster.codec.encodings import sparse_exp2 as expgroup
+    from xcluster.codec.kernels.changes import find_changes, zigzag_diff
     from xcluster.errors import DecodeError
 
     gen = torch.Generator().manual_seed(11)
@@ -299,17 +303,17 @@ def test_ranges_with_few_changes_stay_sparse_sub_without_a_sparse_exp_trial():
     gen = torch.Generator().manual_seed(11)
     old = (torch.randn(16384, generator=gen) * 0.02).to(torch.bfloat16)
     cfg = CodecConfig()
-    for n, want in ((encode.EXP_MIN_CHANGES - 1, SPARSE_SUB), (encode.EXP_MIN_CHANGES, SPARSE_EXP2)):
+    for n, want in ((sparse_exp2.MIN_CHANGES - 1, SPARSE_SUB), (sparse_exp2.MIN_CHANGES, SPARSE_EXP2)):
         new = old.clone()
         flat_bits(new)[torch.randperm(old.numel(), generator=gen)[:n]] += 1
         built: list[int] = []
-        real_build = encode.expgroup.build
+        real_build = sparse_exp2.build
 
         def build(*a, **kw):
             built.append(1)
             return real_build(*a, **kw)
 
-        with mock.patch.object(encode.expgroup, "build", build):
+        with mock.patch.object(sparse_exp2, "build", build):
             enc = encode.encode_version({"w": new}, {"w": "0" * 32}, {"w": old}, cfg, lambda e, d: None)
         assert [b.encoding for b in enc.blocks] == [want] and enc.changed_elements == n
         assert built == ([] if want == SPARSE_SUB else [1])
@@ -322,7 +326,7 @@ def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_sa
     whose sparse-sub bytes are already under it skip the trial. The torch scan writes the same."""
     cfg = CodecConfig()
     built: list[int] = []
-    real_build = encode.expgroup.build
+    real_build = sparse_exp2.build
 
     def build(*a, **kw):
         built.append(1)
@@ -333,28 +337,27 @@ def test_near_idle_ranges_stay_sparse_sub_when_sparse_exp_saves_under_exp_min_sa
         master = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02
         old = master.to(torch.bfloat16)  # an update under most elements' half ulp: only the smallest move
         new = (master + step * torch.randn(n, generator=torch.Generator().manual_seed(3)).sign()).to(torch.bfloat16)
-        with mock.patch.object(encode.expgroup, "build", build), \
-                mock.patch.object(encode, "EXP_MIN_SAVING", min_saving):
+        with mock.patch.object(sparse_exp2, "build", build), \
+                mock.patch.object(sparse_exp2, "MIN_SAVING", min_saving):
             enc = encode.encode_version({"w": new}, {"w": "0" * 32}, {"w": old}, cfg, lambda e, d: None)
             # the torch scan (as on a GPU) decides alike
             assert encode.encode_version({"w": new}, {"w": "0" * 32}, {"w": old}, replace(cfg, scan="torch"),
                                          lambda e, d: None).blocks == enc.blocks
         segs = [s for b in enc.blocks for s in b.segments]
-        assert all(encode.EXP_MIN_CHANGES <= s.nnz < s.count // 20_000 for s in segs), [s.nnz for s in segs]
+        assert all(sparse_exp2.MIN_CHANGES <= s.nnz < s.count // 20_000 for s in segs), [s.nnz for s in segs]
         return [b.encoding for b in enc.blocks], sum(s.stored for b in enc.blocks for s in b.streams)
 
     exp_enc, exp_bytes = encoded(1 << 22, 3e-10, 0.0)  # any saving: sparse-exp2 is smaller here
-    sub_enc, sub_bytes = encoded(1 << 22, 3e-10, encode.EXP_MIN_SAVING)
+    sub_enc, sub_bytes = encoded(1 << 22, 3e-10, sparse_exp2.MIN_SAVING)
     assert (exp_enc, sub_enc, built) == ([SPARSE_EXP2], [SPARSE_SUB], [1])
-    assert 0 < 8 * (sub_bytes - exp_bytes) < encode.EXP_MIN_SAVING * (1 << 22)
-    enc, size = encoded(1 << 24, 1e-10, encode.EXP_MIN_SAVING)  # two ranges of 2**23 elements
-    assert (enc, built) == ([SPARSE_SUB], []) and 8 * size <= encode.EXP_MIN_SAVING * (1 << 24)
+    assert 0 < 8 * (sub_bytes - exp_bytes) < sparse_exp2.MIN_SAVING * (1 << 22)
+    enc, size = encoded(1 << 24, 1e-10, sparse_exp2.MIN_SAVING)  # two ranges of 2**23 elements
+    assert (enc, built) == ([SPARSE_SUB], []) and 8 * size <= sparse_exp2.MIN_SAVING * (1 << 24)
 
 
 def test_a_reader_without_an_encoding_refuses_it_by_name_and_keeps_serving():
     """FORMAT.md §8: a writer allowed an encoding before every reader had it. The reader names the
     encoding, fetches no chunk and keeps its weights; restarted on an upgrade, it reads that version."""
-    from xcluster import format as fmt
     from xcluster.errors import UnknownEncodingError
 
     gen = torch.Generator().manual_seed(12)
@@ -367,7 +370,7 @@ def test_a_reader_without_an_encoding_refuses_it_by_name_and_keeps_serving():
     Publisher(store=store).publish({"w": w2})  # a new publisher: a keyframe, full-exp by default
     fetched = []
     real_get_range = store.get_range
-    with mock.patch.object(fmt.manifest, "ENCODINGS", CORE_ENCODINGS), \
+    with without_encodings("full-exp", "sparse-exp2"), \
             mock.patch.object(store, "get_range", lambda k, *a: fetched.append(k) or real_get_range(k, *a)):
         with pytest.raises(UnknownEncodingError, match="uses encoding 'full-exp'.*upgrade xcluster"):
             sub.sync()

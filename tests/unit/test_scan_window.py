@@ -12,13 +12,12 @@ import torch
 from xcluster import CodecConfig
 from xcluster.codec import encode
 from xcluster.codec.digest import tensor_digest
+from tests.unit.helpers import make_weights
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    state = {"a.big": torch.randn(64 * 1024, generator=g).to(torch.bfloat16)}  # 8 ranges of 8K elements
-    state.update({f"b.small{i:02d}": torch.randn(300, generator=g).to(torch.bfloat16) for i in range(40)})
-    return state
+    return make_weights(seed=seed, shapes={"a.big": (64 * 1024,),  # 8 ranges of 8K elements
+                                          **{f"b.small{i:02d}": (300,) for i in range(40)}})
 
 
 def _delta(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xcluster.codec import scatter
+from xcluster.codec.kernels import scatter
 
 
 @pytest.mark.skipif(not scatter.compiled(), reason="numba is not importable here")

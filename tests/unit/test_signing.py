@@ -19,14 +19,12 @@ from xcluster.format import HEAD_KEY, canonical_json, parse_head, parse_manifest
 from xcluster.trust.signing import Signer, Verifier, generate_keypair
 from xcluster.store import LocalStore
 from xcluster.format.packing import pack, unpack
-from tests.unit.helpers import assert_state_equal, manifest_bytes
+from tests.unit.helpers import assert_state_equal, make_weights, manifest_bytes
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    w.view(torch.int16).view(-1)[torch.randint(0, w.numel(), (40,), generator=g)] += 1
-    return {"w": w, "b": torch.full((8,), float(step), dtype=torch.bfloat16)}
+    return {**make_weights(step, shapes={"w": (64, 32)}, changed=40, pick="randint", cumulative=False),
+            "b": torch.full((8,), float(step), dtype=torch.bfloat16)}
 
 
 @pytest.fixture

@@ -126,7 +126,7 @@ def test_snapshot_pairs_weights_with_their_version_while_sync_runs(tmp_path):
 def test_interrupt_during_apply_leaves_the_old_weights(tmp_path, monkeypatch):
     """KeyboardInterrupt in the syncing thread while decode workers still patch: the undo waits
     for every worker, so the weights are exactly the old version's."""
-    import xcluster.read.subscriber as subm
+    import xcluster.read.apply as subm  # where the subscriber's patches are applied
 
     store = LocalStore(tmp_path)
     pub = Publisher(store=store, config=PublisherConfig(
@@ -260,7 +260,7 @@ def test_tensors_are_hashed_as_their_last_block_lands_and_one_split_over_many_bl
     """A tensor is hashed by the worker that patches its last block, while the others still decode
     (so the hashing overlaps decoding); one spread over sixteen blocks is hashed once all sixteen
     are applied, whichever worker applies which."""
-    import xcluster.read.subscriber as sub_mod
+    import xcluster.read.apply as sub_mod  # where blocks are decoded and tensors hashed
     from xcluster.codec.encode import CodecConfig
 
     g = torch.Generator().manual_seed(0)
@@ -298,3 +298,82 @@ def test_tensors_are_hashed_as_their_last_block_lands_and_one_split_over_many_bl
         assert decoded.count(0) == 16
         assert sorted(n for n, _ in hashed) == [512, 64 * 1024]  # each once
         assert dict(hashed)[64 * 1024] == 16  # "big": only after all of its blocks
+
+
+class GarblingStore(CountingStore):
+    """Hands back the bytes of ``key`` garbled (``flip``: one bit; ``cut``: the last byte dropped)
+    for its next ``times`` reads, as corruption in transit would; the object stays intact."""
+
+    def __init__(self, inner, key, how, times):
+        super().__init__(inner)
+        self.key, self.how, self.times = key, how, times
+
+    def get_range(self, key, start, length):
+        data = super().get_range(key, start, length)
+        if key != self.key or self.times <= 0:
+            return data
+        self.times -= 1
+        if self.how == "cut":
+            return data[:-1]
+        garbled = bytearray(data)
+        garbled[len(garbled) // 2] ^= 0x40
+        return bytes(garbled)
+
+
+def _chunk_key(store, version):
+    (key, *_) = sorted(k for k in store.list(f"versions/{version:012d}/") if k.endswith(".xc"))
+    return key
+
+
+@pytest.mark.parametrize("how, times, raised, counts", [
+    # (refetches, checksum_failures): a chunk is re-fetched only when another attempt follows
+    ("flip", 1, None, (1, 1)),
+    ("flip", 3, "ChecksumMismatchError", (2, 3)),
+    ("cut", 3, "TruncatedObjectError", (2, 0)),
+], ids=["garbled once", "garbled every time", "short every time"])
+def test_a_chunk_garbled_in_transit_is_fetched_again_then_refused(tmp_path, how, times, raised, counts):
+    from xcluster import errors
+
+    store = LocalStore(tmp_path)
+    Publisher(store=store, config=PublisherConfig(keyframe_every=100)).publish(weights(0))
+    key = _chunk_key(store, 1)
+    size = store.stat(key).size
+    garbling = GarblingStore(store, key, how, times)
+    sub = Subscriber(store=garbling, config=SubscriberConfig(integrity_retries=2))
+    if raised is None:
+        assert sub.sync() == 1
+        assert_state_equal(sub.state_dict(), weights(0))
+    else:
+        with pytest.raises(getattr(errors, raised), match=key):
+            sub.sync()
+        assert sub.version is None
+    assert (sub.stats.refetches, sub.stats.checksum_failures) == counts
+    reads = [c for c in garbling.calls if c == ("get_range", key)]
+    assert len(reads) == min(times + 1, 3)  # integrity_retries=2: three attempts at most, no more
+    if raised is None:  # every byte read counts, the garbled copy's too
+        chunks = sum(store.stat(k).size for k in store.list("versions/000000000001/") if k.endswith(".xc"))
+        assert sub.stats.bytes_fetched == chunks + size
+
+
+@pytest.mark.parametrize("times, raised", [(1, False), (3, True)], ids=["garbled once", "garbled every time"])
+def test_a_manifest_garbled_in_transit_is_read_again_then_refused(tmp_path, times, raised):
+    from xcluster.errors import ChecksumMismatchError
+    from tests.unit.helpers import mkey
+
+    store = LocalStore(tmp_path)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=100))
+    pub.publish(weights(0))
+    sub = Subscriber(store=store, config=SubscriberConfig(integrity_retries=2))
+    sub.sync()
+    pub.publish(weights(1))
+    key = mkey(store, 2)
+    sub.store = garbling = GarblingStore(store, key, "flip", times)
+    if raised:
+        with pytest.raises(ChecksumMismatchError, match="the manifest is corrupt or was replaced"):
+            sub.sync()
+        assert sub.version == 1
+    else:
+        assert sub.sync() == 2
+    # a manifest's mismatch counts on every failed read, the last included
+    assert (sub.stats.refetches, sub.stats.checksum_failures) == (min(times, 3),) * 2
+    assert len([c for c in garbling.calls if c == ("get_range", key)]) == min(times + 1, 3)

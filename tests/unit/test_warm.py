@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig
-from xcluster.codec import exprank, warm
+from xcluster.codec import warm
+from xcluster.codec.kernels import exprank
 from xcluster.follow import daemon as daemon_mod
 from xcluster.follow.daemon import Daemon, DaemonConfig
 from xcluster.store.local import LocalStore
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # argument types the decoder's loops are loaded for, before and after warm_up().
 PROBE = """
 import json
-from xcluster.codec import exprank, scatter
+from xcluster.codec.kernels import exprank, scatter
 from xcluster.codec.warm import warm_up
 
 def loaded():
