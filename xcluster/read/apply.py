@@ -103,13 +103,19 @@ def verify_state(state: Mapping[str, torch.Tensor], m: Manifest, *, workers: int
 
 def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor], where: str, *,
                      base: Mapping[str, torch.Tensor], digests: Mapping[str, str], workers: int,
-                     commit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+                     commit: Callable[[dict[str, torch.Tensor]], None], verify: bool = True) -> int:
     """Patch ``m``'s ``-sub`` blocks onto the tensors of ``base`` (its ``planes`` blocks already
     filled ``fresh``), verify every digest, and hand the new weights, by name, to ``commit``;
     on any failure or interrupt every patch is undone, after every worker has stopped.
 
     ``digests`` are the verified digests of ``base``'s tensors (empty for a keyframe): a tensor
-    carried over unchanged with the same digest is not hashed again."""
+    carried over unchanged with the same digest is not hashed again. Returns the bytes of the
+    elements patched (what a delta wrote into the tensors held).
+
+    ``verify=False`` patches without hashing anything: only for a caller that replays versions
+    it verified before onto a copy proven to be their base, and that verifies every tensor of
+    the version it ends at (the subscriber then holds no verified digests, so the next version
+    hashes every tensor)."""
     # tensors of the new state: patched in place (init base) or fresh (init none)
     target: list[torch.Tensor] = []
     for t in m.tensors:
@@ -129,6 +135,7 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
     block_tensors = {bi: {s.tensor for s in m.blocks[bi].segments} for bi in patches}
     pending = Counter(i for ts in block_tensors.values() for i in ts)
     hashed: dict[int, str] = {}
+    written = [0]
 
     def run_block(bi: int) -> None:
         b = m.blocks[bi]
@@ -141,13 +148,14 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
                 patch(tgt, op)
                 with plock:
                     applied.append((tgt, op))
+                    written[0] += op.diff.size * tgt.element_size()
         with plock:
             done = []
             for i in block_tensors[bi]:
                 pending[i] -= 1
                 if pending[i] == 0:
                     done.append(i)
-        for i in done:
+        for i in done if verify else ():
             hashed[i] = entry_digest(target[i], m.tensors[i].parts)
 
     ok = False
@@ -160,7 +168,7 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
             # verify: hash what changed; what did not change keeps the digest we verified before,
             # unless the manifest states another one (hashed in other parts: FORMAT.md §6), then hash it
             idx = sorted(touched | {i for i, t in enumerate(m.tensors)
-                                    if t.init != INIT_BASE or digests.get(t.name) != t.digest})
+                                    if t.init != INIT_BASE or digests.get(t.name) != t.digest}) if verify else []
             rest = [i for i in idx if i not in hashed]
             hashed.update(zip(rest, run_all(
                 pool, lambda k: entry_digest(target[rest[k]], m.tensors[rest[k]].parts), len(rest))))
@@ -172,12 +180,13 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
                     raise DigestMismatchError(f"{where}: {m.tensors[i].name} hashes to {got} ({changed}), "
                                               f"the manifest says {m.tensors[i].digest}")
             got = model_digest_from((t.name, t.dtype, t.shape, t.digest) for t in m.tensors)
-            if got != m.model_digest:
+            if verify and got != m.model_digest:
                 raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
             # swap before anything else can be interrupted (the pool's shutdown below can be):
             # ``commit`` moves weights and label together in one statement
             commit({t.name: target[i] for i, t in enumerate(m.tensors)})
             ok = True
+            return written[0]
         finally:
             if not ok:  # every block has stopped (see run_all): undo is not racing a patch
                 shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])

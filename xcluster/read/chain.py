@@ -10,6 +10,7 @@ it is parsed, its version checked against its key.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,12 +78,17 @@ class LinkedManifest:
 
 
 def read_manifest(store: Store, link: Link, *, retries: int = 2,
-                  on_retry: Callable[[str], None] | None = None) -> LinkedManifest:
+                  on_retry: Callable[[str], None] | None = None, memo: ManifestMemo | None = None) -> LinkedManifest:
     """Read and verify the manifest ``link`` names. A hash mismatch is re-read up to ``retries``
     times (corruption in transit; :func:`~xcluster.util.retry.retry_integrity`), then raises
     :class:`ChecksumMismatchError`; ``on_retry(message)`` runs after each mismatch, the last
-    included. A missing object raises :class:`ChainBrokenError`."""
+    included. A missing object raises :class:`ChainBrokenError`. With ``memo`` the bytes of a
+    manifest read before under the same key and hash are used again (they are content-addressed
+    by the link's hash, so this is no trust in the store)."""
     key = link.key
+    if memo is not None and (hit := memo.get(key, link.xxh3_128)) is not None:
+        m = parse_manifest(hit[1], where=f"{store.url}/{key}")
+        return LinkedManifest(m, link, hit[1], hit[0])
     where = f"{store.url}/{key}"
     problem = ""
 
@@ -115,10 +121,37 @@ def read_manifest(store: Store, link: Link, *, retries: int = 2,
 
     stored, data = retry_integrity(attempt, attempts=retries + 1, on_failure=failed,
                                    retry_on=ChecksumMismatchError)
+    if memo is not None:
+        memo.put(key, link.xxh3_128, stored, data)
     m = parse_manifest(data, where=where)
     if m.version != link.version:
         raise FormatError(f"{where} says it is version {m.version}")
     return LinkedManifest(m, link, data, stored)
+
+
+class ManifestMemo:
+    """The bytes of the manifests read last, by (key, xxh3-128), up to ``max_bytes`` in all:
+    a reader that applies the same versions twice (the daemon's second slot) reads them once."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[str, str], tuple[bytes, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: str, xxh3: str) -> tuple[bytes, bytes] | None:
+        hit = self._items.get((key, xxh3))
+        if hit is not None:
+            self._items.move_to_end((key, xxh3))
+        return hit
+
+    def put(self, key: str, xxh3: str, stored: bytes, data: bytes) -> None:
+        if (key, xxh3) in self._items:
+            return
+        self._items[(key, xxh3)] = (stored, data)
+        self._bytes += len(stored) + len(data)
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, (s, d) = self._items.popitem(last=False)
+            self._bytes -= len(s) + len(d)
 
 
 def walk_back(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
@@ -159,7 +192,8 @@ class Plan:
 def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], bool] | None = None,
                check: Callable[[LinkedManifest], None] | None = None, max_chain: int = MAX_CHAIN,
                max_bytes: int | None = None, refused: dict[tuple[int, str], XclusterError] | None = None,
-               retries: int = 2, on_retry: Callable[[str], None] | None = None) -> Plan:
+               retries: int = 2, on_retry: Callable[[str], None] | None = None,
+               memo: ManifestMemo | None = None) -> Plan:
     """Like :func:`walk_back`, but holding one parsed manifest at a time: returns the links,
     oldest first, and the parsed manifest of only the oldest (the last one read, and the first
     the caller applies); the caller reads each later one again, hash-checked, when it uses it.
@@ -181,7 +215,7 @@ def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], boo
             raise ChainBrokenError(f"{store.url}: more than {max_chain} versions between version "
                                    f"{link.version} and a keyframe (max_chain)")
         try:
-            lm = read_manifest(store, cur, retries=retries, on_retry=on_retry)
+            lm = read_manifest(store, cur, retries=retries, on_retry=on_retry, memo=memo)
             total += len(lm.data)
             if max_bytes is not None and total > max_bytes:
                 err = ResourceLimitError(
@@ -212,7 +246,7 @@ def walk_links(store: Store, link: Link, *, stop: Callable[[LinkedManifest], boo
 
 
 def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CHAIN,
-              retries: int = 2) -> Link:
+              retries: int = 2, memo: ManifestMemo | None = None) -> Link:
     """The link to an older committed ``version``, followed back from HEAD through each
     manifest's link to its predecessor (``prev_manifest``, across keyframes, or a delta's base
     link), so every version returned is authenticated by HEAD. Reads at most ``max_chain``
@@ -226,7 +260,7 @@ def find_link(store: Store, head: Head, version: int, *, max_chain: int = MAX_CH
     for _ in range(max_chain):
         if cur.version == version:
             return cur
-        lm = read_manifest(store, cur, retries=retries)
+        lm = read_manifest(store, cur, retries=retries, memo=memo)
         prev = Link.prev_of(lm.manifest)
         if prev is None:
             raise ChainBrokenError(

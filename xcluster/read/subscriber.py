@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .apply import alloc_fresh, check_limits, fill_block, patch_and_verify, verify_state
-from .chain import Link, LinkedManifest, Plan, find_link, poll_head, read_manifest, walk_links
+from .chain import Link, LinkedManifest, ManifestMemo, Plan, find_link, poll_head, read_manifest, walk_links
 from .checkpoint import LoadedCheckpoint, check_checkpoint, list_checkpoints, read_checkpoint
 from .fetch import ChunkCache, ChunkFetcher, shielded
 from ..errors import (BaseMismatchError, ChainBrokenError, CheckpointMismatchError, ConfigError, FormatError,
@@ -68,6 +68,12 @@ class SubscriberConfig:
     chunk_cache_dir: str | None = None
     """Keep verified chunks here until their version is applied, so a process killed halfway
     through a big version resumes without fetching them again. None: chunks live in memory only."""
+    chunk_cache_full: bool = True
+    """Cache the chunks of full versions (keyframes, checkpoints) too. False caches deltas' chunks
+    only, so the cache never holds most of a model (a keyframe cut short is fetched again)."""
+    chunk_cache_prune: bool = True
+    """Drop a version's cached chunks once it is applied. False: the owner prunes them
+    (:meth:`Subscriber.prune_chunk_cache`), e.g. to apply the same deltas to a second copy."""
     trusted_keys: tuple[str, ...] = ()
     """Paths of Ed25519 public keys (PEM, several for a key rotation). Every HEAD and manifest must
     then be signed by one of them, or :class:`SignatureError` is raised and nothing changes. Empty:
@@ -116,6 +122,8 @@ class AppliedVersion:
     committed_unix_ms: int | None = None
     """HEAD's commit time, when this version is the HEAD that was polled."""
     manifest_xxh3_128: str = ""
+    bytes_patched: int = 0
+    """Bytes of the elements a delta's patches wrote into the tensors held (0 for a full version)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +178,9 @@ class Subscriber:
         self.on_apply = on_apply
         self.on_chunk: Callable[[Manifest, int], None] | None = None
         """Called from fetch threads with each verified chunk's size (progress bars)."""
+        self.allocate: Callable[[Manifest, str], dict[int, torch.Tensor] | None] | None = None
+        """Makes the empty tensors a version fills (those of ``init: none``, by index), e.g. in a
+        model directory's memory-mapped files; None, or a call that returns None: in memory."""
         self.stats = SubscriberStats()
         self.verifier = load_verifier(self.config.trusted_keys)
         """Checks signatures when trusted keys are configured (None: no checks)."""
@@ -185,6 +196,8 @@ class Subscriber:
         self._refused: dict[tuple[int, str], XclusterError] = {}
         self._refused_for: tuple[int, str] | None = None
         self._bad_checkpoints: set[str] = set()  # checkpoint keys that failed: never tried again
+        self._memo = ManifestMemo()  # the daemon's second slot applies the same versions again
+        self._verify = True
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -227,19 +240,46 @@ class Subscriber:
         a daemon whose saved weights could not be restored still remembers how far it had got."""
         self._floor = max(self._floor, version)
 
-    def restore(self, state: Mapping[str, torch.Tensor], manifest_data: bytes) -> int:
+    def restore(self, state: Mapping[str, torch.Tensor], manifest_data: bytes, *, verify: bool = True) -> int:
         """Start from weights kept elsewhere (the daemon's model directory after a restart) and
         the bytes of the manifest they are said to be: every tensor is re-hashed and must match
         the manifest, or :class:`DigestMismatchError` is raised and nothing changes. Returns the
-        version now held; later ``sync()`` calls apply only what comes after it."""
+        version now held; later ``sync()`` calls apply only what comes after it.
+
+        ``verify=False`` skips the hashing (names, dtypes and shapes are still checked): only for
+        tensors the caller verified itself and has not let anyone change since (the daemon's
+        other slot, which held exactly that version when it was last verified)."""
         m = parse_manifest(manifest_data, where="restored manifest")
         where = f"restored version {m.version}"
         self._check_trust(m, None, where=where)
-        tensors = verify_state(state, m, workers=self.config.decode_workers, where=where)
+        if verify:
+            tensors = verify_state(state, m, workers=self.config.decode_workers, where=where)
+        else:
+            tensors = _same_layout(state, m, where)
         with self._sync_lock, self._lock:
             self._state = tensors
             self._held = _Held(m, xxh3_128(manifest_data), {t.name: t.digest for t in m.tensors}, manifest_data)
         return m.version
+
+    def release(self) -> None:
+        """Drop the weights held and their label (the store still may not go below what was held):
+        for an owner about to replace them all, e.g. by a keyframe written into the very files that
+        held them (``allocate``, which may call this). The next sync starts as a node holding nothing."""
+        with self._lock:
+            held = self._held
+            if held is not None:
+                self._floor = max(self._floor, held.version)
+            self._state, self._held = {}, None
+
+    def rebind(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Hold ``state`` instead of the tensors held, keeping the version: the caller vouches that
+        it is bit for bit what is held (a copy just written from it, e.g. into a model directory
+        whose mapped files later patches go to). Names, dtypes and shapes are checked."""
+        with self._sync_lock, self._lock:
+            held = self._held
+            if held is None:
+                raise ConfigError("rebind() needs weights held; restore() or sync() first")
+            self._state = _same_layout(state, held.manifest, f"rebound version {held.version}")
 
     def write_checkpoint(self, store: Store | None = None, *, codec=None, upload_workers: int = 4):
         """Write the verified weights held as a checkpoint of their version (FORMAT.md §3a) into
@@ -265,94 +305,112 @@ class Subscriber:
             self._head, self._head_etag = r
         return self._head
 
-    def sync(self, *, until: int | None = None, poll: bool = True) -> int | None:
+    def sync(self, *, until: int | None = None, poll: bool = True, verify: bool = True) -> int | None:
         """Apply every committed version up to HEAD (or up to ``until``); returns the version now
         held (None while the store is empty). A HEAD below what is held raises
         :class:`RollbackError` and changes nothing. ``poll=False``: up to the HEAD the caller's
-        own :meth:`poll` just read (no second request)."""
+        own :meth:`poll` just read (no second request).
+
+        ``verify=False`` applies without hashing (chunk checksums are still checked): for an owner
+        replaying versions it verified before onto a copy proven to be their base (the daemon's
+        second slot). What is held is then *unverified*: the next version applied hashes every
+        tensor, and :attr:`verified` is False until then."""
         with self._sync_lock:
-            head = self.poll() if poll or self._head is None else self._head
-            if head is None:
-                return self.version
-            held = self._held
-            self._check_head(head, held)
-            target = Link.of_head(head)
-            if until is not None and until < head.version:
-                target = find_link(self.store, head, until, max_chain=self.config.max_chain,
-                                   retries=self.config.integrity_retries)
-            if held is not None:
-                if target.version == held.version and target.xxh3_128 == held.xxh3_128:
-                    return held.version
-                if target.version < held.version:
-                    raise RollbackError(
-                        f"{self.store.url}: HEAD names version {target.version} but this subscriber already "
-                        f"holds version {held.version}: the store was rolled back or replaced by an older copy; "
-                        f"it keeps serving version {held.version} and refuses to go backwards")
-            if target.version < self._floor:
-                raise RollbackError(
-                    f"{self.store.url}: HEAD names version {target.version} but version {self._floor} was already "
-                    "applied here before a restart: the store was rolled back or replaced by an older copy; "
-                    "this subscriber refuses to go backwards")
-            def reaches_held(lm: LinkedManifest) -> bool:
-                m = lm.manifest
-                return (held is not None and m.base_version == held.version
-                        and m.base_manifest_xxh3_128 == held.xxh3_128)
+            self._verify = verify
+            try:
+                return self._sync(until, poll)
+            finally:
+                self._verify = True
 
-            def count_retry(_msg: str) -> None:
-                self.stats.refetches += 1
-                self.stats.checksum_failures += 1
+    @property
+    def verified(self) -> bool:
+        """False while what is held was applied with ``sync(verify=False)`` and not verified since."""
+        held = self._held
+        return held is None or bool(held.digests) or not held.manifest.tensors
 
-            held_key = None if held is None else (held.version, held.xxh3_128)
-            if self._refused_for != held_key or len(self._refused) > 1024:
-                self._refused.clear()
-                self._refused_for = held_key
-            cfg = self.config
-
-            def check(lm: LinkedManifest) -> None:  # before any chunk is fetched
-                where = f"{self.store.url}/{lm.link.key}"
-                m = lm.manifest
-                if m.version == head.version and (m.kind, m.keyframe_version) != (head.kind, head.keyframe_version):
-                    raise ChainBrokenError(
-                        f"{self.store.url}: HEAD says version {head.version} is a {head.kind} of keyframe_version "
-                        f"{head.keyframe_version}, its manifest says {m.kind} of {m.keyframe_version}")
-                if reaches_held(lm) and m.kind != KEYFRAME and m.keyframe_version != held.manifest.keyframe_version:
-                    raise ChainBrokenError(
-                        f"{where}: keyframe_version {m.keyframe_version} differs from its base's (version "
-                        f"{held.version}, keyframe_version {held.manifest.keyframe_version})")
-                self._check_trust(m, head, where=where)
-                check_limits(m, self.config, where)
-
-            walk = dict(check=check, max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
-                        retries=cfg.integrity_retries, on_retry=count_retry)
-            # A node that holds nothing starts from the newest checkpoint (when there is one); a
-            # node that follows walks back to what it holds and downloads deltas only, unless
-            # retention removed them (then from a checkpoint newer than what it holds).
-            while True:  # a checkpoint that fails to apply is set aside: plan again without it
-                plan, cp = self._plan(target, held, reaches_held, walk)
-                links, first = plan.links, plan.oldest
-                del plan  # the oldest is dropped once applied, like the ones read again after it
-                if cp is None:
-                    break
-                try:  # the checkpoint stands for the oldest link: applied in its place, labelled as it
-                    self._apply(cp.manifest, cp.xxh3_128, cp.data, head, where=f"{self.store.url}/{cp.key}",
-                                label=first)
-                except (IntegrityError, ChainBrokenError, FormatError, ResourceLimitError) as exc:
-                    log.warning("checkpoint %s/%s refused (%s: %s); trying without it", self.store.url, cp.key,
-                                type(exc).__name__, exc)
-                    self._bad_checkpoints.add(cp.key)
-                    self.stats.checkpoints_refused += 1
-                    continue
-                self.stats.checkpoints_applied += 1
-                links, first = links[1:], None
-                break
-            for link in links:  # later ones read again, hash-checked: one parsed manifest held at a time
-                lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
-                                                                   on_retry=count_retry)
-                first = None
-                self._apply(lm.manifest, lm.link.xxh3_128, lm.data, head, where=f"{self.store.url}/{lm.link.key}",
-                            name=lm.link.manifest)
-                del lm
+    def _sync(self, until: int | None, poll: bool) -> int | None:
+        head = self.poll() if poll or self._head is None else self._head
+        if head is None:
             return self.version
+        held = self._held
+        self._check_head(head, held)
+        target = Link.of_head(head)
+        if until is not None and until < head.version:
+            target = find_link(self.store, head, until, max_chain=self.config.max_chain,
+                               retries=self.config.integrity_retries, memo=self._memo)
+        if held is not None:
+            if target.version == held.version and target.xxh3_128 == held.xxh3_128:
+                return held.version
+            if target.version < held.version:
+                raise RollbackError(
+                    f"{self.store.url}: HEAD names version {target.version} but this subscriber already "
+                    f"holds version {held.version}: the store was rolled back or replaced by an older copy; "
+                    f"it keeps serving version {held.version} and refuses to go backwards")
+        if target.version < self._floor:
+            raise RollbackError(
+                f"{self.store.url}: HEAD names version {target.version} but version {self._floor} was already "
+                "applied here before a restart: the store was rolled back or replaced by an older copy; "
+                "this subscriber refuses to go backwards")
+        def reaches_held(lm: LinkedManifest) -> bool:
+            m = lm.manifest
+            return (held is not None and m.base_version == held.version
+                    and m.base_manifest_xxh3_128 == held.xxh3_128)
+
+        def count_retry(_msg: str) -> None:
+            self.stats.refetches += 1
+            self.stats.checksum_failures += 1
+
+        held_key = None if held is None else (held.version, held.xxh3_128)
+        if self._refused_for != held_key or len(self._refused) > 1024:
+            self._refused.clear()
+            self._refused_for = held_key
+        cfg = self.config
+
+        def check(lm: LinkedManifest) -> None:  # before any chunk is fetched
+            where = f"{self.store.url}/{lm.link.key}"
+            m = lm.manifest
+            if m.version == head.version and (m.kind, m.keyframe_version) != (head.kind, head.keyframe_version):
+                raise ChainBrokenError(
+                    f"{self.store.url}: HEAD says version {head.version} is a {head.kind} of keyframe_version "
+                    f"{head.keyframe_version}, its manifest says {m.kind} of {m.keyframe_version}")
+            if reaches_held(lm) and m.kind != KEYFRAME and m.keyframe_version != held.manifest.keyframe_version:
+                raise ChainBrokenError(
+                    f"{where}: keyframe_version {m.keyframe_version} differs from its base's (version "
+                    f"{held.version}, keyframe_version {held.manifest.keyframe_version})")
+            self._check_trust(m, head, where=where)
+            check_limits(m, self.config, where)
+
+        walk = dict(check=check, max_chain=cfg.max_chain, max_bytes=cfg.max_plan_bytes, refused=self._refused,
+                    retries=cfg.integrity_retries, on_retry=count_retry, memo=self._memo)
+        # A node that holds nothing starts from the newest checkpoint (when there is one); a
+        # node that follows walks back to what it holds and downloads deltas only, unless
+        # retention removed them (then from a checkpoint newer than what it holds).
+        while True:  # a checkpoint that fails to apply is set aside: plan again without it
+            plan, cp = self._plan(target, held, reaches_held, walk)
+            links, first = plan.links, plan.oldest
+            del plan  # the oldest is dropped once applied, like the ones read again after it
+            if cp is None:
+                break
+            try:  # the checkpoint stands for the oldest link: applied in its place, labelled as it
+                self._apply(cp.manifest, cp.xxh3_128, cp.data, head, where=f"{self.store.url}/{cp.key}",
+                            label=first)
+            except (IntegrityError, ChainBrokenError, FormatError, ResourceLimitError) as exc:
+                log.warning("checkpoint %s/%s refused (%s: %s); trying without it", self.store.url, cp.key,
+                            type(exc).__name__, exc)
+                self._bad_checkpoints.add(cp.key)
+                self.stats.checkpoints_refused += 1
+                continue
+            self.stats.checkpoints_applied += 1
+            links, first = links[1:], None
+            break
+        for link in links:  # later ones read again, hash-checked: one parsed manifest held at a time
+            lm = first if first is not None else read_manifest(self.store, link, retries=cfg.integrity_retries,
+                                                               on_retry=count_retry, memo=self._memo)
+            first = None
+            self._apply(lm.manifest, lm.link.xxh3_128, lm.data, head, where=f"{self.store.url}/{lm.link.key}",
+                        name=lm.link.manifest)
+            del lm
+        return self.version
 
     def _plan(self, target: Link, held: _Held | None, reaches_held: Callable[[LinkedManifest], bool],
               walk: dict) -> tuple[Plan, LoadedCheckpoint | None]:
@@ -451,11 +509,13 @@ class Subscriber:
         root = self.config.chunk_cache_dir
         return None if root is None else ChunkCache(root)
 
-    def prune_chunk_cache(self) -> None:
-        """Drop cached chunks of versions up to the one held (they were applied)."""
+    def prune_chunk_cache(self, up_to: int | None = None) -> None:
+        """Drop cached chunks of versions up to ``up_to`` (default: the one held; they were applied)."""
         cache, held = self._chunk_cache(), self._held
-        if cache is not None and held is not None:
-            cache.prune(held.version)
+        if up_to is None and held is not None:
+            up_to = held.version
+        if cache is not None and up_to is not None:
+            cache.prune(up_to)
 
     def _apply(self, m: Manifest, mhash: str, data: bytes, head: Head, *, where: str,
                label: LinkedManifest | None = None, name: str | None = None) -> None:
@@ -466,22 +526,26 @@ class Subscriber:
         t0 = time.perf_counter()
         cfg = self.config
         check_limits(m, cfg, where)
+        cache = self._chunk_cache() if cfg.chunk_cache_full or m.kind not in FULL_KINDS else None
         fetcher = ChunkFetcher(self.store, self.stats, integrity_retries=cfg.integrity_retries,
-                               workers=cfg.fetch_workers, decode_workers=cfg.decode_workers, cache=self._chunk_cache())
-        fresh = alloc_fresh(m, where)
+                               workers=cfg.fetch_workers, decode_workers=cfg.decode_workers, cache=cache)
+        fresh = self.allocate(m, where) if self.allocate is not None else None
+        if fresh is None:
+            fresh = alloc_fresh(m, where)
         chunks = fetcher.stream(m, mhash, lambda bi, chunk: fill_block(m, bi, chunk, fresh, where),
                                 on_chunk=self.on_chunk)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
-            shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
+            patched = shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
         chunks.clear()  # free the compressed bytes now
         fresh.clear()
         self.stats.versions_applied += 1
-        self.prune_chunk_cache()
+        if cfg.chunk_cache_prune:
+            self.prune_chunk_cache()
         t2 = time.perf_counter()
         ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
                             bytes_fetched=m.chunk_bytes, seconds=t2 - t0, fetch_seconds=t1 - t0,
-                            apply_seconds=t2 - t1,
+                            apply_seconds=t2 - t1, bytes_patched=patched,
                             manifest_xxh3_128=mhash if label is None else label.link.xxh3_128,
                             committed_unix_ms=head.committed_unix_ms if head.version == m.version else None)
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
@@ -490,7 +554,7 @@ class Subscriber:
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
                           where: str, data: bytes, label: LinkedManifest | None = None,
-                          name: str | None = None) -> None:
+                          name: str | None = None) -> int:
         """Patch ``m`` onto what is held, verify, and swap weights and label together
         (apply.py); on any failure what is held stays, bit for bit."""
         held = self._held
@@ -499,16 +563,31 @@ class Subscriber:
                            or m.base_manifest_xxh3_128 != held.xxh3_128):
             raise BaseMismatchError(f"{where}: delta on version {m.base_version} ({m.base_model_digest}) but "
                                     f"this subscriber holds {self.version} ({self.model_digest})")
-        verified = {t.name: t.digest for t in m.tensors}
+        verified = {t.name: t.digest for t in m.tensors} if self._verify else {}
         held_as = _Held(m, mhash, verified, data, name) if label is None else \
             _Held(label.manifest, label.link.xxh3_128, verified, label.data, label.link.manifest)
 
         def swap(state: dict[str, torch.Tensor]) -> None:  # one statement: weights and label move together
             self._state, self._held = state, held_as
 
-        patch_and_verify(m, chunks, fresh, where, base=self._state,
+        return patch_and_verify(m, chunks, fresh, where, base=self._state,
                          digests=held.digests if held is not None and not is_key else {},
-                         workers=self.config.decode_workers, commit=swap)
+                         workers=self.config.decode_workers, commit=swap, verify=self._verify)
+
+
+def _same_layout(state: Mapping[str, torch.Tensor], m: Manifest, where: str) -> dict[str, torch.Tensor]:
+    """``state`` by name, after checking it has exactly ``m``'s tensors with their dtypes and shapes."""
+    from ..codec.dtypes import dtype_name
+    from ..errors import DigestMismatchError
+
+    if set(state) != {t.name for t in m.tensors}:
+        raise DigestMismatchError(f"{where}: tensor names differ from the manifest's")
+    for t in m.tensors:
+        cur = state[t.name]
+        if dtype_name(cur.dtype) != t.dtype or tuple(cur.shape) != t.shape:
+            raise DigestMismatchError(f"{where}: {t.name} is {dtype_name(cur.dtype)}{tuple(cur.shape)}, the "
+                                      f"manifest says {t.dtype}{t.shape}")
+    return {t.name: state[t.name] for t in m.tensors}
 
 
 __all__ = ["AppliedVersion", "Snapshot", "Subscriber", "SubscriberConfig", "SubscriberStats"]
