@@ -116,7 +116,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     from .follow.handoff import HandoffConfig, make_handoff
     from .follow.logs import setup_logging
     from .follow.metrics import DaemonMetrics
-    from .follow.modeldir import ModelDirConfig
+    from .follow.slots import SlotsConfig
     from .read.subscriber import SubscriberConfig
 
     setup_logging(args.log_format, args.log_level)
@@ -133,7 +133,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
         out=Path(args.out), poll_s=poll,
         backoff_max_s=max(_or_default(args.backoff_max, DaemonConfig, "backoff_max_s"), poll), once=args.once,
         node_id=args.node_id or default_node_id(), **_given(lease_every_s=args.lease_interval),
-        model_dir=ModelDirConfig(**_given(shard_bytes=args.shard_size, keep=args.keep)),
+        slots=SlotsConfig(**_given(shard_bytes=args.shard_size, slots=args.slots)),
         subscriber=SubscriberConfig(**_given(fetch_workers=args.fetch_workers), trusted_keys=tuple(args.trust),
                                     run_id=args.run_id, max_staleness_s=args.max_staleness),
         notify=notify_socket is not None, notify_socket=notify_socket,
@@ -154,8 +154,9 @@ def _add_subscribe(sub) -> None:
     p = sub.add_parser("subscribe", help="follow a store: apply each version, write a model directory, "
                        "hand it to the inference engine (runs until stopped)",
                        description="The rollout-node daemon. Every committed version is fetched, verified and "
-                       "applied while the engine keeps serving; then OUT/versions/<V> (a complete Hugging Face "
-                       "model directory) is written, OUT/current switched, and the engine told to reload.")
+                       "applied while the engine keeps serving, into the standby of two Hugging Face model "
+                       "directories (OUT/slots/a, OUT/slots/b) whose files are patched in place; then OUT/current "
+                       "is switched to it, the engine told to reload, and the other slot brought level.")
     p.add_argument("url", help="store URL: a path, file://, s3://bucket/prefix, …")
     p.add_argument("--out", required=True, help="directory for model directories and state (e.g. /dev/shm/xc)")
     p.add_argument("--poll", type=float, help="seconds between HEAD polls (default: DaemonConfig.poll_s)")
@@ -172,10 +173,11 @@ def _add_subscribe(sub) -> None:
                    help="vLLM: what happens to requests in flight during the switch (default: make_handoff's pause_mode)")
     p.add_argument("--handoff-timeout", type=float,
                    help="seconds per hand-off request (default: HandoffConfig.timeout_s)")
-    p.add_argument("--keep", type=int,
-                   help="old version directories kept besides current (default: ModelDirConfig.keep)")
+    p.add_argument("--slots", type=int, choices=[1, 2],
+                   help="2: patch a standby copy while the engine's stays whole; 1: one copy patched in place, "
+                   "for engines that keep their own (default: SlotsConfig.slots)")
     p.add_argument("--shard-size", type=int,
-                   help="bytes per safetensors shard (default: ModelDirConfig.shard_bytes)")
+                   help="bytes per safetensors shard (default: SlotsConfig.shard_bytes)")
     p.add_argument("--fetch-workers", type=int,
                    help="chunks fetched in parallel (default: SubscriberConfig.fetch_workers)")
     _add_trust(p)

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from xcluster import Publisher, PublisherConfig, model_digest
-from xcluster.follow.modeldir import ModelDir
+from xcluster.follow.slots import Slots
 from xcluster.format import lease_key, parse_lease
 from xcluster.store import open_store
+from tests.support.slots import read_current
 
 pytestmark = pytest.mark.integration
 
@@ -51,12 +52,11 @@ def daemon_cmd(url: str, out: Path, *extra: str) -> list[str]:
 
 def check_current(out: Path, digests: dict[int, str]) -> int | None:
     """``current`` is absent or names a complete directory holding exactly a published version."""
-    md = ModelDir(out)
-    cur = md.current_version()
-    if cur is None:
+    got = read_current(out)
+    if got is None:
         assert not (out / "current").exists()
         return None
-    state, _ = md.load(cur)
+    cur, state, _ = got
     assert model_digest(state) == digests[cur], f"current -> version {cur} does not hold that version"
     return cur
 
@@ -117,7 +117,7 @@ def run_kill_trials(url: str, tmp_path: Path, env: dict, trials: int) -> None:
     st = json.loads((out / "state.json").read_text())
     assert st["version"] == head and st["model_digest"] == digests[head]
     assert any(v is not None for v in seen), "no kill ever found a version in place: the trials prove nothing"
-    assert not list((out / "versions").glob(".tmp*")), "a temp directory survived a restart"
+    assert not list((out / "slots").glob(".tmp*")), "a temp directory survived a restart"
 
 
 def subprocess_env(**extra: str) -> dict:
@@ -168,7 +168,8 @@ class Engine(http.server.ThreadingHTTPServer):
                     self.end_headers()
                     return
                 # the engine loads what it is given: the directory must be complete
-                ModelDir(Path(body["path"]).parent.parent).load(int(body["version"]))
+                path = Path(body["path"])
+                Slots(path.parent.parent).map(path.name)
                 outer.accepted.append(body)
                 self.send_response(200)
                 self.end_headers()
@@ -224,7 +225,7 @@ def test_handoff_failure_recovery_sigterm_lease_and_metrics(tmp_path):
                             env=subprocess_env(), stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: engine.accepted and int(engine.accepted[-1]["version"]) == 2, 60, "hand-off of v2")
-        assert Path(engine.accepted[-1]["path"]) == (out / "versions" / "2").resolve()
+        assert Path(engine.accepted[-1]["path"]) == (out / "current").resolve()
         # the engine goes down; the daemon keeps following the store and reports the failure
         engine.down.set()
         r = pub.publish(weights(2), step=2)
@@ -270,7 +271,7 @@ def test_in_process_daemon_on_update_and_once(tmp_path):
     d.on_update(lambda path, v: seen.append((path, v)))
     assert d.run() == 0
     assert [v for _, v in seen] == [3]
-    assert seen[0][0] == tmp_path / "out" / "versions" / "3"
+    assert seen[0][0] == (tmp_path / "out" / "current").resolve()
     # a second run resumes from disk: nothing to fetch, nothing to hand over again
     d2 = Daemon(url, config=DaemonConfig(out=tmp_path / "out", once=True, lease_every_s=0))
     assert d2.run() == 0

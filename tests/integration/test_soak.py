@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.soak import ModelSpec, Soak, SoakConfig, TrainerModel, run_soak
-from xcluster.follow.modeldir import ModelDir
+from xcluster.follow.slots import Slots
 
 SMALL = ModelSpec(tensors=3, rows=64, cols=128)
 
@@ -37,42 +37,46 @@ def test_short_fault_soak_converges_with_no_corrupt_observation(tmp_path):
     assert all(s.converged and s.final_version == report.versions_published for s in report.subs.values())
 
 
-def _referee(tmp_path, step: int) -> tuple[Soak, ModelDir, dict[str, torch.Tensor]]:
+def _referee(tmp_path, step: int) -> tuple[Soak, Slots, dict[str, torch.Tensor]]:
     soak = Soak(SoakConfig(subscribers=1, model=SMALL, workdir=tmp_path))
     soak.work = tmp_path
     soak.journal_path = tmp_path / "journal.jsonl"
     soak.head_version = 5
-    md = ModelDir(tmp_path / "sub-0")
+    md = Slots(tmp_path / "sub-0")
     m = TrainerModel(SMALL)
     m.advance_to(step)
     return soak, md, m.state()
 
 
+def _expose(md: Slots, version: int, state: dict[str, torch.Tensor]) -> None:
+    """Make ``current`` name a slot tagged ``version`` holding ``state`` (alternating slots)."""
+    name = "b" if md.current() == "a" else "a"
+    md.write(name, state, {})
+    md.tag(name, version, "0" * 32)
+    md.switch_current(name)
+
+
 def test_the_referee_flags_a_flipped_byte_a_wrong_step_and_a_version_above_head(tmp_path):
     """The soak's verdict is worth something only if its referee can say no."""
     soak, md, state = _referee(tmp_path, 4)
-    md.write_version(4, state, {})
-    md.switch_current(4)
+    _expose(md, 4, state)
     assert soak._observe("sub-0", 0.0) == 4 and not soak.report.corrupt  # the truth passes
     # one bit of one tensor flipped in a new directory
     bad = {n: t.clone() for n, t in state.items()}
     bad["layers.1.weight"].view(torch.int16).view(-1)[17] ^= 1
-    md.write_version(5, bad, {})
-    md.switch_current(5)
+    _expose(md, 5, bad)
     soak._observe("sub-0", 0.0)
     assert len(soak.report.corrupt) == 1 and "layers.1.weight" in soak.report.corrupt[0]
     # the right weights of step 4 exposed as version 3, which the trainer journaled as step 3
     soak.report.corrupt.clear()
     soak.journal_path.write_text(json.dumps({"version": 3, "step": 3, "committed_unix": 0}) + "\n")
-    md.write_version(3, state, {})
-    md.switch_current(3)
+    _expose(md, 3, state)
     soak._observe("sub-0", 0.0)
     assert soak.report.corrupt == ["sub-0: version 3 holds step 4, the trainer journaled step 3"]
     # a version HEAD never named
     soak.report.corrupt.clear()
     soak.direct = None
     soak._watch_head = lambda: None
-    md.write_version(9, state, {})
-    md.switch_current(9)
+    _expose(md, 9, state)
     soak._observe("sub-0", 0.0)
     assert any("above HEAD" in c for c in soak.report.corrupt), soak.report.corrupt

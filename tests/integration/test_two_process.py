@@ -43,8 +43,7 @@ def test_trainer_and_rollout_processes(tmp_path):
     assert late.stats.checkpoints_applied == 1  # it joined from the newest checkpoint
     # and the rollout node's current model directory holds exactly that version
     from xcluster import model_digest
-    from xcluster.follow.modeldir import ModelDir
+    from tests.support.slots import read_current
 
-    md = ModelDir(tmp_path / "rollout")
-    assert md.current_version() == steps
-    assert model_digest(md.load(steps)[0]) == want[steps]
+    version, state, _ = read_current(tmp_path / "rollout")
+    assert version == steps and model_digest(state) == want[steps]

@@ -96,9 +96,10 @@ def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
     pub.close()
     assert sorted(served) == [1, 2, 3]
     # the daemon's directory holds exactly the trainer's weights
-    from xcluster.follow.modeldir import ModelDir
+    from tests.support.slots import read_current
 
-    assert model_digest(ModelDir(out).load(3)[0]) == model_digest(published[3])
+    version, state, _ = read_current(out)
+    assert version == 3 and model_digest(state) == model_digest(published[3])
     # the outputs moved with the weights (so equality below is not vacuous)
     greedy = {v: [o["tokens"] for o in s["short"] + s["long"]] for v, s in served.items()}
     assert greedy[1] != greedy[2] != greedy[3]

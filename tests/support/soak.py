@@ -616,21 +616,28 @@ class Soak:
             self._gc_proc.wait(timeout=120)
             self._gc_done()
 
-    def _current_version(self, name: str) -> int | None:
+    def _current_slot(self, name: str) -> Path | None:
         try:
-            return int(os.readlink(self.work / name / "current").rsplit("/", 1)[-1])
-        except (FileNotFoundError, ValueError):
+            return self.work / name / os.readlink(self.work / name / "current")
+        except FileNotFoundError:
+            return None
+
+    def _current_version(self, name: str) -> int | None:
+        """The version the slot ``current`` names is tagged with (None: no current, or untagged)."""
+        d = self._current_slot(name)
+        try:
+            return int(json.loads((d / ".xcluster-version").read_bytes())["version"]) if d else None
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def _observe(self, name: str, now: float) -> int | None:
         """Check what ``OUT/current`` exposes against the truth; returns its version."""
         from safetensors.torch import load_file
 
-        out = self.work / name
+        d = self._current_slot(name)
         v = self._current_version(name)
-        if v is None:
+        if v is None or d is None:
             return None
-        d = out / "versions" / str(v)
         sr = self.report.subs[name]
         try:
             files = sorted(d.glob("*.safetensors"))
@@ -639,18 +646,21 @@ class Soak:
                 tensors: dict[str, torch.Tensor] = {}
                 for f in files:
                     tensors.update(load_file(f))
+                if self._current_slot(name) != d or self._current_version(name) != v:
+                    sr.vanished += 1  # current moved on while it was read: the read proves nothing
+                    return None
                 self._check(name, v, tensors)
                 self._verified[name] = sig
                 sr.observations += 1
         except (FileNotFoundError, NotADirectoryError):
             if self._current_version(name) == v:  # still current, yet incomplete: that is exposure
-                self.report.corrupt.append(f"{name}: current -> versions/{v} is missing files")
+                self.report.corrupt.append(f"{name}: current -> {d.name} (version {v}) is missing files")
             else:
                 sr.vanished += 1  # pruned after current moved on: nothing was exposed wrongly
             return None
         except Exception as exc:  # noqa: BLE001 - an unreadable exposed directory is a finding
             if self._current_version(name) == v:
-                self.report.corrupt.append(f"{name}: current -> versions/{v} unreadable: {exc!r}")
+                self.report.corrupt.append(f"{name}: current -> {d.name} (version {v}) unreadable: {exc!r}")
             return None
         self._staleness(name, v, now)
         return v

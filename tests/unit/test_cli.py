@@ -86,6 +86,6 @@ def test_the_cli_takes_its_defaults_from_the_config_dataclasses(monkeypatch, tmp
     want = daemon_mod.DaemonConfig(out=config.out, node_id=config.node_id, once=True)
     for f in ("poll_s", "backoff_max_s", "lease_every_s"):
         assert getattr(config, f) == getattr(want, f)
-    assert config.model_dir == want.model_dir
+    assert config.slots == want.slots
     assert dataclasses.asdict(handoff.config) == dataclasses.asdict(HandoffConfig())
     assert handoff.pause_mode == "keep"  # make_handoff's own default

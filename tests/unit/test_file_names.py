@@ -9,7 +9,7 @@ import torch
 from xcluster import Publisher
 from xcluster.errors import ConfigError, ModelDirError, UnsafeNameError
 from xcluster.follow.daemon import Daemon, DaemonConfig
-from xcluster.follow.modeldir import ModelDir
+from xcluster.follow.slots import Slots
 from xcluster.store import LocalStore
 from tests.unit.helpers import make_weights
 
@@ -30,7 +30,7 @@ def test_publisher_refuses_a_file_name_the_model_directory_refuses_before_upload
         Publisher(store=store, files={name: b"x"})
     assert store.list("") == []
     with pytest.raises(ModelDirError, match="weight file"):  # the same rule, in the writer
-        ModelDir(tmp_path / "out").write_version(1, weights(0), {name: b"x"})
+        Slots(tmp_path / "out").write("a", weights(0), {name: b"x"})
 
 
 def test_publisher_refuses_files_over_the_total_limit(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_every_name_the_publisher_accepts_the_model_directory_writes(tmp_path):
     files = {n: n.encode() for n in names}
     Publisher(url, files=files).publish(weights(0))
     assert run_once(url, tmp_path / "out") == 0
-    assert ModelDir(tmp_path / "out").load(1)[1] == files
+    assert Slots(tmp_path / "out").files("a") == files
 
 
 def test_one_stored_object_listed_under_several_names_is_fetched_once(tmp_path):
@@ -68,4 +68,4 @@ def test_one_stored_object_listed_under_several_names_is_fetched_once(tmp_path):
     d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", once=True, lease_every_s=0))
     assert d.run() == 0
     assert len(fetched) == 1
-    assert ModelDir(tmp_path / "out").load(1)[1] == {"a.json": same, "b.json": same, "c.json": same}
+    assert Slots(tmp_path / "out").files("a") == {"a.json": same, "b.json": same, "c.json": same}

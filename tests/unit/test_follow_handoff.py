@@ -14,17 +14,17 @@ import torch
 from xcluster.errors import ConfigError, HandoffError, TransientHandoffError
 from xcluster.follow.handoff import (CallbackHandoff, ExecHandoff, HandoffConfig, HttpHandoff, SglangHandoff,
                                      VllmHandoff, make_handoff, render_template)
-from xcluster.follow.modeldir import ModelDir
+from xcluster.follow.slots import Slots
 from tests.support.engines import sglang_stand_in, vllm_stand_in
 
 FAST = HandoffConfig(timeout_s=5, attempts=3, backoff_s=0.5, backoff_max_s=10)
 
 
 @pytest.fixture
-def model_dir(tmp_path) -> ModelDir:
-    md = ModelDir(tmp_path / "model")
-    md.write_version(12, {"w": torch.ones(4)}, {"config.json": b"{}"})
-    md.switch_current(12)
+def model_dir(tmp_path) -> Slots:
+    md = Slots(tmp_path / "model")
+    md.write("b", {"w": torch.ones(4)}, {"config.json": b"{}"})
+    md.switch_current("b")
     return md
 
 
@@ -46,7 +46,7 @@ def test_vllm_pauses_reloads_resets_and_resumes_in_order(model_dir, current):
     assert engine.paths() == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     assert all(c.method == "POST" for c in engine.calls)
     assert engine.calls[0].query == {"mode": ["keep"]}
-    real = str(model_dir.path(12).resolve())
+    real = str(model_dir.path("b").resolve())
     assert engine.calls[1].body == {"method": "reload_weights", "kwargs": {"weights_path": real}}
     assert engine.state == {"paused": False, "loaded": real}
     assert result.version == 12 and result.path == real and result.attempts == 1
@@ -108,7 +108,7 @@ def test_vllm_without_dev_mode_is_refused_at_pause_and_resume_is_still_tried(cur
 def test_sglang_success(model_dir, current):
     with sglang_stand_in() as engine:
         result = SglangHandoff(engine.url, abort_all_requests=True, config=FAST).hand_over(current, 12)
-    real = str(model_dir.path(12).resolve())
+    real = str(model_dir.path("b").resolve())
     assert engine.paths() == ["/update_weights_from_disk"]
     assert engine.calls[0].body == {"model_path": real, "weight_version": "12", "flush_cache": True,
                                     "abort_all_requests": True}
@@ -129,13 +129,13 @@ def test_sglang_success_false_is_refused_at_once(current, status):
 
 # --- any HTTP endpoint ---------------------------------------------------------------------------
 def test_http_template_escapes_awkward_paths(tmp_path):
-    md = ModelDir(tmp_path / 'we"ird\\dir\nname')
-    md.write_version(3, {"w": torch.ones(1)}, {})
+    md = Slots(tmp_path / 'we"ird\\dir\nname')
+    md.write("a", {"w": torch.ones(1)}, {})
     template = '{"model": {path}, "v": {version}, "note": "dir={path} v{version}", "tag": "{version}"}'
     with vllm_stand_in() as engine:  # any server that records the body will do
         engine.script("/load", (200, {"ok": True}))
-        result = HttpHandoff(engine.url + "/load", body_template=template, config=FAST).hand_over(md.path(3), 3)
-    real = str(md.path(3).resolve())
+        result = HttpHandoff(engine.url + "/load", body_template=template, config=FAST).hand_over(md.path("a"), 3)
+    real = str(md.path("a").resolve())
     assert json.loads(engine.calls[0].raw) == {"model": real, "v": 3, "note": f"dir={real} v3", "tag": "3"}
     assert engine.calls[0].headers["Content-Type"] == "application/json"
     assert result.attempts == 1 and result.detail.startswith("200")
@@ -202,7 +202,7 @@ def test_exec_gets_the_real_directory_and_version_in_its_env(tmp_path, model_dir
             f"'PATH')}}, open({str(out)!r}, 'w')); print('loaded')")
     result = ExecHandoff(py(code), config=FAST).hand_over(current, 12)
     env = json.loads(out.read_text())
-    assert env["XCLUSTER_MODEL_DIR"] == str(model_dir.path(12).resolve())
+    assert env["XCLUSTER_MODEL_DIR"] == str(model_dir.path("b").resolve())
     assert env["XCLUSTER_VERSION"] == "12"
     assert env["PATH"]  # the inherited environment is kept
     assert result.attempts == 1 and "loaded" in result.detail
@@ -245,7 +245,7 @@ def test_exec_missing_program(current):
 def test_callback_gets_the_real_path_and_failures_are_wrapped(model_dir, current):
     seen = []
     result = CallbackHandoff(lambda p, v: seen.append((p, v))).hand_over(current, 12)
-    assert seen == [(model_dir.path(12).resolve(), 12)] and result.attempts == 1
+    assert seen == [(model_dir.path("b").resolve(), 12)] and result.attempts == 1
 
     def boom(p, v):
         raise RuntimeError("engine exploded")

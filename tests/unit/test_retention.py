@@ -252,11 +252,12 @@ def test_a_file_gc_removed_is_uploaded_again_when_a_later_version_names_it(tmp_p
     pub.publish(weights(2), files=a)
     assert store.get(file_key(xxh3_128(a["config.json"]))).data == a["config.json"]
     from xcluster.follow.daemon import Daemon, DaemonConfig
-    from xcluster.follow.modeldir import ModelDir
+    from xcluster.follow.slots import Slots
 
     d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", once=True, lease_every_s=0))
     assert d.run() == 0
-    assert ModelDir(tmp_path / "out").load(3)[1] == a
+    s = Slots(tmp_path / "out")
+    assert s.files(s.current()) == a
 
 
 def _bigger(step: int) -> dict[str, torch.Tensor]:

@@ -283,7 +283,7 @@ def test_a_restarted_daemon_that_cannot_restore_still_refuses_to_go_backwards(tm
                        subscriber=SubscriberConfig(trusted_keys=(str(keys["a"][1]),)))
     assert Daemon(store=store, config=cfg).run() == 0
     # its saved weights are lost (e.g. /dev/shm after a reboot, without the state file going)
-    shutil.rmtree(tmp_path / "out" / "versions")
+    shutil.rmtree(tmp_path / "out" / "slots")
     store.put(HEAD_KEY, old_head)
     d = Daemon(store=store, config=cfg)
     assert d.run() == 1

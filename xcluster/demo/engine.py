@@ -1,7 +1,7 @@
 """The demo's inference engine: a small HTTP server that loads model directories with transformers.
 
 It stands where vLLM stands in production (the real-engine test drives vLLM itself): the daemon
-hands it each new ``OUT/versions/<V>`` with ``--engine http``; it loads the directory the way
+hands it each new version's slot directory (``OUT/slots/a`` or ``b``) with ``--engine http``; it loads the directory the way
 any engine would (``AutoModelForCausalLM.from_pretrained`` + ``AutoTokenizer``, bf16), hashes the
 weights it now serves, generates a few greedy tokens, and appends one JSON line to ``--results``::
 

@@ -3,20 +3,27 @@
 One loop, one thread:
 
 1. poll HEAD (one conditional GET; exponential backoff with jitter while the store errors);
-2. on a new version: fetch, verify and apply it (:class:`~xcluster.Subscriber`; the engine keeps
-   serving the old weights meanwhile), fetch the non-weight files it lists, write a complete
-   model directory ``DIR/versions/<V>`` (temp name, fsync, rename), record the state
-   (``DIR/state.json``, atomic), switch ``DIR/current``, prune old directories;
-3. hand the directory over to the engine (the only step inside the engine's pause); a failed
-   hand-off is retried with backoff while the daemon keeps following the store, always with the
-   newest version;
-4. every few seconds write ``leases/<node-id>.json`` to the store (what ``xcluster status`` and
+2. on a new version: fetch, verify and apply it (:class:`~xcluster.Subscriber`) **into the standby
+   slot's memory-mapped files** (``slots.py``): a delta patches only the elements it changes, a
+   keyframe is written into a fresh directory swapped in as the slot; the engine keeps serving
+   the other slot meanwhile. Then the slot is made durable (fsync), recorded (``DIR/state.json``,
+   atomic) and ``DIR/current`` switched to it;
+3. hand the slot over to the engine (the only step inside the engine's pause); a failed hand-off
+   is retried with backoff while the daemon keeps following the store, always with the newest;
+4. bring the other slot to the same version (the same deltas again, from the chunk cache; a
+   byte copy of the current slot after a keyframe or when it cannot be proven), so the next
+   version again needs one delta;
+5. every few seconds write ``leases/<node-id>.json`` to the store (what ``xcluster status`` and
    ``xcluster gc`` read).
 
-A restart (``kill -9`` included) resumes from ``state.json``: the last model directory is loaded
-and every tensor re-hashed against its manifest; a mismatch falls back to the newest keyframe.
-Verified chunks of a version in flight are kept under ``DIR/cache`` until it is applied.
-SIGTERM/SIGINT finish the step in progress and exit 0.
+With ``SlotsConfig(slots=1)`` there is one slot, patched in place with ``current`` unlinked
+meanwhile (for GPU nodes whose engine keeps its own copy). docs/DAEMON.md has the crash story:
+the state file says which slot ``current`` names and whether the other holds a proven version;
+a slot being patched or written is recorded as untrusted first. A restart (``kill -9`` included)
+re-hashes ``current``'s slot against its manifest (a mismatch falls back to the newest
+keyframe), proves the standby by its digests or repairs it from ``current``. Verified chunks of
+deltas are kept under ``DIR/cache`` until both slots have them. SIGTERM/SIGINT finish the step in
+progress and exit 0.
 """
 
 from __future__ import annotations
@@ -30,16 +37,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
+from ..errors import (ChainBrokenError, ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
                       StoreError, XclusterError)
-from ..format import Lease, Manifest, check_node_id, file_key, lease_key, parse_manifest, xxh3_128
+from ..format import FULL_KINDS, INIT_BASE, KEYFRAME
+from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
+from ..codec.dtypes import torch_dtype
+from ..codec.encoding import parse_manifest
+from ..read.apply import verify_state
 from ..util.retry import Backoff
 from ..store import Store, resolve_store
 from ..read.subscriber import AppliedVersion, Subscriber, SubscriberConfig
 from .handoff import Handoff, HandoffResult
 from .metrics import DaemonMetrics
-from .modeldir import ModelDir, ModelDirConfig
+from .slots import Pending, Slots, SlotsConfig, backed_by
 from .state import DaemonState, StateStore
+
+import torch
 
 log = logging.getLogger("xcluster.daemon")
 PROGRESS_MIN_BYTES = 64 << 20
@@ -57,8 +70,8 @@ class DaemonConfig:
     """How the daemon follows a store; the CLI only fills this in."""
 
     out: Path
-    """Where model directories, ``current``, ``state.json`` and the chunk cache live
-    (``/dev/shm/xc`` keeps them in memory)."""
+    """Where the slots, ``current``, ``state.json`` and the chunk cache live (``/dev/shm/xc`` keeps
+    them in memory)."""
     poll_s: float = 1.0
     """Seconds between HEAD polls while nothing changes."""
     backoff_max_s: float = 30.0
@@ -69,8 +82,8 @@ class DaemonConfig:
     """This subscriber's name in ``leases/<node-id>.json``."""
     lease_every_s: float = 5.0
     """Seconds between lease writes (0 disables leases)."""
-    model_dir: ModelDirConfig = field(default_factory=ModelDirConfig)
-    """Shard size and how many old version directories to keep."""
+    slots: SlotsConfig = field(default_factory=SlotsConfig)
+    """Shard size, and one slot or two."""
     subscriber: SubscriberConfig | None = None
     """Fetch and verification settings; ``chunk_cache_dir`` defaults to ``<out>/cache``."""
     notify: bool = False
@@ -116,8 +129,18 @@ class Daemon:
         sub_cfg = config.subscriber or SubscriberConfig()
         if sub_cfg.chunk_cache_dir is None:
             sub_cfg = replace(sub_cfg, chunk_cache_dir=str(self.out / "cache"))
+        # the cache keeps deltas' chunks until both slots have them (a keyframe's would be most of a model)
+        sub_cfg = replace(sub_cfg, chunk_cache_full=False, chunk_cache_prune=config.slots.slots == 1)
         self.subscriber = Subscriber(store=self.store, config=sub_cfg, on_apply=self._on_apply)
-        self.model_dir = ModelDir(self.out, config=config.model_dir)
+        self.subscriber.allocate = self._allocate
+        self.slots = Slots(self.out, config=config.slots)
+        self._views: dict[str, dict[str, torch.Tensor]] = {}  # slot -> views of its mapped files
+        self._work: str | None = None  # the slot whose views the subscriber holds
+        self._pending: list[Pending] = []  # full writes in progress (keyframes)
+        self._patched_bytes = 0
+        self._saw_full = False
+        self._replaying = False
+        self._replayed: tuple[str, int] | None = None  # (slot, version) replayed unverified, held now
         self.states = StateStore(self.out)
         self.handoff = handoff
         self.metrics = metrics or DaemonMetrics()
@@ -194,8 +217,9 @@ class Daemon:
 
     # --- start-up -----------------------------------------------------------------------------
     def resume(self) -> None:
-        """Pick up where a previous run stopped: the recorded version's directory, re-verified."""
-        for p in self.model_dir.clean_partial():
+        """Pick up where a previous run stopped: ``current``'s slot re-verified, the standby proven
+        by its digests or repaired from it."""
+        for p in self.slots.clean_partial():
             log.info("removed %s, left by an interrupted write", p)
         try:
             rec = self.states.load()
@@ -208,27 +232,54 @@ class Daemon:
         st, mdata = rec
         self.subscriber.refuse_below(st.version)  # whatever happens next, the store may not go backwards
         try:  # the non-weight files as well: the engine is handed the whole directory
-            listed = {f.name: (f.size, f.xxh3_128) for f in parse_manifest(mdata, where="restored manifest").files}
-            state, files = self.model_dir.load(st.version, expected_files=listed)
-            self.subscriber.restore(state, mdata)
+            m = parse_manifest(mdata, where="restored manifest")
+            views = self.slots.map(st.slot, expected_files=_listed(m))
+            verify_state(views, m, workers=self.subscriber.config.decode_workers,
+                         where=f"slot {st.slot} (version {st.version})")
         except XclusterError as exc:
-            log.warning("the directory of version %d does not match its manifest (%s): setting it aside and "
-                        "starting from the newest keyframe", st.version, exc)
+            log.warning("slot %s does not hold version %d as its manifest says (%s): setting it aside and "
+                        "starting from the newest keyframe", st.slot, st.version, exc)
             self._count_error(exc)
-            self.model_dir.discard(st.version)  # an engine (re)started on `current` must not load it
+            self.slots.discard(st.slot)  # an engine (re)started on `current` must not load it
             return
-        self._files.update({xxh3_128(b): b for b in files.values()})
-        self._state = st
-        if self.model_dir.current_version() != st.version:
-            self.model_dir.switch_current(st.version)
+        self._files.update({xxh3_128(b): b for b in self.slots.files(st.slot).values()})
+        self._views[st.slot] = views
+        self._state = st = replace(st, patching=False)
+        if self.slots.config.slots == 1:
+            self.subscriber.restore(views, mdata, verify=False)  # verified just above
+            self._work = st.slot
+        else:
+            self._resume_standby(st)
+        self.states.save(self._state)
+        if self.slots.current() != st.slot:
+            self.slots.switch_current(st.slot)
         self.metrics.version_applied(st.version, committed_at=_seconds(st.committed_unix_ms), resumed=True)
         if self.handoff is not None:
             self._engine_state = "ok" if st.engine_version == st.version else "pending"
-        log.info("resumed at version %d from %s (digest verified)", st.version, self.model_dir.path(st.version))
+        log.info("resumed at version %d from %s (digest verified)", st.version, self.slots.path(st.slot))
+
+    def _resume_standby(self, st: DaemonState) -> None:
+        """Hold the standby slot's weights if its digests prove the version recorded for it;
+        otherwise record it untrusted (``_ready_standby`` repairs it from ``current``)."""
+        standby = self.slots.other(st.slot)
+        if st.standby_version is not None and st.standby_manifest_xxh3_128 is not None:
+            try:
+                sdata = self.states.manifest(st.standby_version, st.standby_manifest_xxh3_128)
+                sviews = self.slots.map(standby, expected_files=_listed(parse_manifest(sdata, where="standby")))
+                self.subscriber.restore(sviews, sdata)  # re-hashed: never trust a half-patched file
+                self._views[standby] = sviews
+                self._work = standby
+                return
+            except XclusterError as exc:
+                log.warning("standby slot %s does not prove version %d (%s); repairing it from slot %s", standby,
+                            st.standby_version, exc, st.slot)
+                self._count_error(exc)
+        self._state = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """Poll, apply, write, hand over, lease. False if something failed (it was logged)."""
+        """Poll, apply (the standby first brought level), install, hand over, lease. False if
+        something failed (it was logged)."""
         self._follow_ok = self._follow()
         handed = self._hand_over()
         self._write_lease()
@@ -261,15 +312,25 @@ class Daemon:
     def _follow(self) -> bool:
         ok = True
         head = None
+        dirty = False
         try:
             head = self.subscriber.poll()
             if head is not None:
                 self.metrics.head_seen(head.version)
-                held = self.subscriber.version
-                if held is None or head.version > held:
+                known = self._state.version if self._state is not None else self.subscriber.version
+                if known is None or head.version > known:
                     self._target = head.version
                     self._write_lease(force=True)
-                self.subscriber.sync(poll=False)  # up to the HEAD just read: one request per poll
+                    # only now is the standby touched: a reader that resolved `current` to it one
+                    # version ago has had a whole version's interval to finish reading. A keyframe
+                    # replaces it whole (``_allocate``): nothing to bring level first.
+                    if head.kind != KEYFRAME and not self._ready_standby():  # never patch `current`
+                        return False
+                    self._mark_work_dirty()
+                    dirty = True
+                    self.subscriber.sync(poll=False)  # up to the HEAD just read: one request per poll
+                elif head.version < known or self.subscriber.version is not None:
+                    self.subscriber.sync(poll=False)  # refuses a rollback; else nothing to do
             self._store_backoff.reset()
         except StoreError as exc:
             log.warning("store error (will retry with backoff): %s", exc)
@@ -277,48 +338,141 @@ class Daemon:
             self.metrics.retry("store")
             ok = False
         except XclusterError as exc:  # bad data: keep serving the last good version
-            log.error("version not applied, still serving version %s: %s: %s", self.subscriber.version,
-                      type(exc).__name__, exc)
+            self._replayed = None  # a replay unverified, then refused on top: never trusted again
+            log.error("version not applied, still serving version %s: %s: %s",
+                      self._state.version if self._state else None, type(exc).__name__, exc)
             self._count_error(exc)
             ok = False
         finally:
             self._target = None
             self._sync_stats()
         held = self.subscriber.version
-        if held is not None and (self._state is None or self._state.version != held):
-            try:  # also after a failure part-way through a chain: the versions before it are good
-                self._publish_dir(head)
-            except (OSError, XclusterError) as exc:
-                log.error("could not write the directory of version %d: %s", held, exc)
-                self._count_error(exc)
-                ok = False
+        try:  # also after a failure part-way through a chain: the versions before it are good
+            if held is not None and (self._state is None or self._state.version != held):
+                self._install(head)
+            elif dirty:
+                self._mark_work_clean()  # nothing applied: every patch was undone, bit for bit
+        except (OSError, XclusterError) as exc:
+            log.error("could not install version %s: %s", held, exc)
+            self._count_error(exc)
+            ok = False
+        finally:
+            for pending in self._pending:  # full writes that did not verify
+                self.slots.discard_pending(pending)
+            self._pending.clear()
         return ok
 
-    def _publish_dir(self, head) -> None:
-        """Write the held version's directory, record it, switch ``current``."""
+    # --- slots --------------------------------------------------------------------------------
+    def _work_slot(self) -> str:
+        """The slot new versions go into: the one ``current`` does not name (with one slot, that one)."""
+        st = self._state
+        if st is None:
+            return self.slots.names[0]
+        return self.slots.other(st.slot)
+
+    def _mark_work_dirty(self) -> None:
+        """Record the slot about to be patched as untrusted, before anything touches it (with one
+        slot, ``current`` is unlinked too: an engine (re)started meanwhile finds nothing)."""
+        st = self._state
+        if st is None:
+            return
+        if self.slots.config.slots == 1:
+            self.slots.unlink_current()
+            self._state = replace(st, patching=True)
+        else:
+            self._state = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
+        self.states.save(self._state)
+        work = self._work_slot()
+        if self.slots.exists(work):
+            self.slots.untag(work)
+
+    def _mark_work_clean(self) -> None:
+        """The work slot holds the recorded version again (an undone patch): flush, record, relink."""
+        st = self._state
+        if st is None:
+            return
+        work = self._work_slot()
+        if self._work != work or self.subscriber.version != st.version or work not in self._views \
+                or not self.subscriber.verified \
+                or not backed_by(self.subscriber.state_dict(copy=False), self._views[work]):
+            return  # not provably whole: _ready_standby repairs it
+        self.slots.flush(work)
+        self.slots.tag(work, st.version, st.model_digest)
+        if self.slots.config.slots == 1:
+            self._state = replace(st, patching=False)
+            self.states.save(self._state)
+            self.slots.switch_current(st.slot)
+        else:
+            self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
+            self.states.save(self._state)
+
+    def _allocate(self, m: Manifest, where: str) -> dict[int, torch.Tensor] | None:
+        """A full version is written straight into a fresh directory for the work slot (so it never
+        sits in memory as well); the slot's old files are dropped first, so a keyframe costs no
+        third copy of the model. Other versions allocate in memory (the rare new tensor)."""
+        if any(t.init == INIT_BASE for t in m.tensors) or m.kind not in FULL_KINDS:
+            return None
+        if self._replaying:  # the install recorded no standby version across a keyframe: never here
+            raise ChainBrokenError(f"{where}: a full version between the standby's version and current's; "
+                                   "the standby is copied instead")
+        work = self._work_slot()
+        self.subscriber.release()  # it held the work slot's files: they are about to be replaced
+        self._views.pop(work, None)
+        self._work = None
+        self.slots.discard(work)
+        pending = self.slots.layout(work, [(t.name, torch_dtype(t.dtype), t.shape) for t in m.tensors])
+        self._pending.append(pending)
+        return {i: pending.tensors[t.name] for i, t in enumerate(m.tensors)}
+
+    def _install(self, head) -> None:
+        """Make the held version's slot durable and complete, record it, switch ``current``."""
         t0 = time.perf_counter()
         snap = self.subscriber.snapshot(copy=False)  # only this thread patches it
         m = snap.manifest
         assert m is not None and snap.version is not None and snap.manifest_data is not None
         files = self._fetch_files(m)
-        path = self.model_dir.write_version(snap.version, snap.state, files)
+        work = self._work_slot()
+        pending: Pending | None = next((p for p in self._pending if backed_by(snap.state, p.tensors)), None)
+        ev = self._last_applied
+        if pending is not None:  # a keyframe written into its fresh directory
+            self._pending.remove(pending)
+            views = self.slots.commit(pending, files)
+            self.metrics.slot_bytes_written.labels("full").inc(m.model_bytes)
+        elif self._work == work and backed_by(snap.state, self._views.get(work, {})):  # patched in place
+            self.slots.set_files(work, files)
+            self.slots.flush(work)
+            views = self._views[work]
+            self.metrics.slot_bytes_written.labels("patch").inc(self._patched_bytes)
+        else:  # new tensors, or nothing mapped yet: one full write
+            views = self.slots.write(work, snap.state, files)
+            self.subscriber.rebind(views)
+            self.metrics.slot_bytes_written.labels("full").inc(m.model_bytes)
+        self._patched_bytes = 0
+        self._views[work] = views
+        self._work = work
+        self._replayed = None
+        self.slots.tag(work, snap.version, m.model_digest)
+        saw_full, self._saw_full = self._saw_full, False  # the standby then gets a copy, not a replay
         committed = head.committed_unix_ms if head is not None and head.version == snap.version else None
-        prev_engine = self._state.engine_version if self._state else None
+        prev = self._state
+        two = self.slots.config.slots == 2
         st = DaemonState(version=snap.version, model_digest=m.model_digest,
                          manifest_xxh3_128=snap.manifest_xxh3_128, committed_unix_ms=committed,
-                         engine_version=prev_engine)
+                         engine_version=prev.engine_version if prev else None, slot=work,
+                         standby_version=prev.version if two and prev and not saw_full else None,
+                         standby_manifest_xxh3_128=prev.manifest_xxh3_128 if two and prev else None)
+        if st.standby_version is None:
+            st = replace(st, standby_manifest_xxh3_128=None)
         self.states.save(st, snap.manifest_data)
-        self.model_dir.switch_current(snap.version)
+        self.slots.switch_current(work)
         self._state = st
-        for v in self.model_dir.prune():
-            log.debug("pruned version directory %d", v)
+        path = self.slots.path(work)
         write_s = time.perf_counter() - t0
         self.metrics.write_dir_seconds.observe(write_s)
         self.metrics.version_applied(snap.version, committed_at=_seconds(committed),
                                      head_version=head.version if head is not None else None)
-        ev = self._last_applied
         lag = f", {self._clock() - committed / 1000:.3f}s after commit" if committed else ""
-        log.info("version %d is current at %s (%s; fetch %.3fs, apply %.3fs, write %.3fs%s)", snap.version, path,
+        log.info("version %d is current at %s (%s; fetch %.3fs, apply %.3fs, install %.3fs%s)", snap.version, path,
                  m.kind, ev.fetch_seconds if ev else 0.0, ev.apply_seconds if ev else 0.0, write_s, lag)
         if self.handoff is not None:
             self._engine_state = "pending"
@@ -331,6 +485,99 @@ class Daemon:
             except Exception as exc:  # a listener's failure is reported, never fatal
                 log.error("on_update listener failed for version %d: %s", snap.version, exc, exc_info=True)
                 self._count_error(exc)
+
+    def _ready_standby(self) -> bool:
+        """Two slots: make the subscriber hold the standby slot, at ``current``'s version. The
+        standby is brought forward by the deltas it lacks (their chunks are cached), or, after a
+        keyframe or when that fails, repaired as a byte copy of ``current``'s slot, re-verified.
+        One slot: the subscriber holds it already. False if the standby could not be made ready."""
+        st = self._state
+        if st is None or self.slots.config.slots == 1:
+            return True
+        standby = self.slots.other(st.slot)
+        # An engine that has not taken ``current`` may still serve the standby's files: loaders that
+        # keep tensors backed by a mmap of them (transformers on CPU) would see patches made in
+        # place. Then the standby gets fresh files (a copy) instead; the engine's stay as they were.
+        engine_behind = self.handoff is not None and st.engine_version not in (None, st.version)
+        if not engine_behind and self._work == standby and self.subscriber.version == st.version and \
+                (st.standby_version == st.version or self._replayed == (standby, st.version)):
+            return True
+        t0 = time.perf_counter()
+        try:
+            if engine_behind or not self._replay(st, standby):
+                self._repair(st, standby)
+        except (OSError, XclusterError) as exc:
+            log.error("could not bring standby slot %s to version %d: %s", standby, st.version, exc)
+            self._count_error(exc)
+            return False
+        self.metrics.catch_up_seconds.observe(time.perf_counter() - t0)
+        self.subscriber.prune_chunk_cache(st.version)  # both slots have every version up to it
+        return True
+
+    def _replay(self, st: DaemonState, standby: str) -> bool:
+        """Apply to the standby the deltas from its recorded version to ``st.version``; False when
+        it cannot (nothing proven there, a keyframe between, a failure: all logged)."""
+        base = st.standby_version
+        if base is None or st.standby_manifest_xxh3_128 is None:
+            return False
+        if not (self._work == standby and self.subscriber.version == base and standby in self._views):
+            try:
+                bdata = self.states.manifest(base, st.standby_manifest_xxh3_128)
+                views = self._views.get(standby) or self.slots.map(standby)
+                self.subscriber.restore(views, bdata, verify=False)  # verified when it held that version
+                self._views[standby] = views
+                self._work = standby
+            except XclusterError as exc:
+                log.warning("standby slot %s cannot be read (%s); repairing it", standby, exc)
+                return False
+        if base != st.version:
+            self._state = st = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
+            self.states.save(st)  # untrusted while patched
+            self.slots.untag(standby)
+            self._replaying = True
+            try:  # versions verified before, onto their proven base: hashed once, at the next version
+                self.subscriber.sync(until=st.version, poll=False, verify=False)
+            except XclusterError as exc:
+                log.warning("replaying versions %d..%d onto standby slot %s failed (%s: %s); repairing it from "
+                            "slot %s", base + 1, st.version, standby, type(exc).__name__, exc, st.slot)
+                return False
+            finally:
+                self._replaying = False
+        snap = self.subscriber.snapshot(copy=False)
+        if snap.version != st.version or snap.manifest_xxh3_128 != st.manifest_xxh3_128 \
+                or not backed_by(snap.state, self._views[standby]):
+            return False
+        self.metrics.slot_bytes_written.labels("patch").inc(self._patched_bytes)
+        self._patched_bytes = 0
+        self.slots.set_files(standby, self._fetch_files(snap.manifest))
+        if self.subscriber.verified:  # nothing replayed: it holds the version it was proven to hold
+            self.slots.flush(standby)
+            self.slots.tag(standby, st.version, st.model_digest)
+            self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
+            self.states.save(self._state)
+        else:  # recorded untrusted, untagged: the next version, applied on top, verifies every tensor
+            self._replayed = (standby, st.version)
+            log.info("standby slot %s brought to version %d by the deltas since %d", standby, st.version, base)
+        return True
+
+    def _repair(self, st: DaemonState, standby: str) -> None:
+        """The standby as a byte copy of ``current``'s slot, proven by its digests (its old files
+        go first: a copy beside them would be a third model's worth)."""
+        self.subscriber.release()
+        self._views.pop(standby, None)
+        self._work = None
+        self.slots.discard(standby)
+        self.slots.copy(st.slot, standby)
+        self.metrics.slot_bytes_written.labels("copy").inc(self.slots.slot_bytes(standby))
+        mdata = self.states.manifest(st.version, st.manifest_xxh3_128)
+        views = self.slots.map(standby)
+        self.subscriber.restore(views, mdata)
+        self.slots.tag(standby, st.version, st.model_digest)
+        self._views[standby] = views
+        self._work = standby
+        self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
+        self.states.save(self._state)
+        log.info("standby slot %s repaired as a copy of slot %s (version %d)", standby, st.slot, st.version)
 
     def _fetch_files(self, m: Manifest) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -366,7 +613,7 @@ class Daemon:
         now = time.monotonic()
         if now < self._handoff_at:
             return False
-        path = self.model_dir.path(st.version).resolve()
+        path = self.slots.path(st.slot).resolve()
         try:
             res: HandoffResult = self.handoff.hand_over(path, st.version)
         except HandoffError as exc:
@@ -462,6 +709,8 @@ class Daemon:
                 self._bar[1].close()
                 self._bar = None
         self._last_applied = ev
+        self._patched_bytes += ev.bytes_patched
+        self._saw_full = self._saw_full or ev.kind in FULL_KINDS
         self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
         self.metrics.apply_seconds.observe(ev.apply_seconds)
 
@@ -474,6 +723,10 @@ class Daemon:
         if s.refetches > last[1]:
             self.metrics.retry("fetch", s.refetches - last[1])
         self._stats_seen = (s.checksum_failures, s.refetches)
+
+
+def _listed(m: Manifest) -> dict[str, tuple[int, str]]:
+    return {f.name: (f.size, f.xxh3_128) for f in m.files}
 
 
 def _seconds(unix_ms: int | None) -> float | None:

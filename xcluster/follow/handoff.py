@@ -2,7 +2,7 @@
 
 Every preset implements :class:`Handoff`: ``hand_over(path, version)`` returns a
 :class:`HandoffResult` or raises :class:`~xcluster.errors.HandoffError`. The path handed over is
-always the resolved real version directory (``versions/<V>``), never the ``current`` symlink, so
+always the resolved slot directory (``slots/a`` or ``slots/b``), never the ``current`` symlink, so
 the engine reads exactly the version it is told about even if ``current`` moves meanwhile.
 
 Presets:

@@ -83,7 +83,13 @@ class DaemonMetrics:
         self.fetch_seconds = histogram("xcluster_fetch_duration_seconds", "Seconds fetching one version.")
         self.apply_seconds = histogram("xcluster_apply_duration_seconds", "Seconds applying one version.")
         self.write_dir_seconds = histogram("xcluster_write_dir_duration_seconds",
-                                           "Seconds writing one version directory.")
+                                           "Seconds making one version's slot durable and current.")
+        self.slot_bytes_written = Counter("xcluster_slot_bytes_written",
+                                          "Bytes written into the slots, by how (patch: changed elements; "
+                                          "full: whole files; copy: a slot repaired from the other).",
+                                          ["how"], registry=reg)
+        self.catch_up_seconds = histogram("xcluster_catch_up_duration_seconds",
+                                          "Seconds bringing the standby slot to the current version.")
         self.handoff_seconds = histogram("xcluster_handoff_duration_seconds", "Seconds of one successful hand-off.")
         self.engine_pause_seconds = histogram("xcluster_engine_pause_duration_seconds",
                                               "Seconds the engine paused generation during a hand-off.")

@@ -34,12 +34,25 @@ class DaemonState:
     """When that version was committed (for staleness), if known."""
     engine_version: int | None = None
     """The version the engine last confirmed loading (None: not yet, or no engine)."""
+    slot: str = "a"
+    """The slot (``OUT/slots/<slot>``, named by ``OUT/current``) that holds ``version``."""
+    patching: bool = False
+    """With one slot: ``slot`` is being patched (``current`` is unlinked meanwhile) and must be
+    proven by its digests before it is trusted again."""
+    standby_version: int | None = None
+    """With two slots: the version the other slot holds exactly and durably. None: it is being
+    written or patched, or was never made, and must be repaired (from ``slot``) before use."""
+    standby_manifest_xxh3_128: str | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": STATE_FORMAT, **asdict(self)}, sort_keys=True, indent=1).encode()
 
     def with_engine(self, version: int | None) -> DaemonState:
         return replace(self, engine_version=version)
+
+    def kept_versions(self) -> set[int]:
+        """The versions whose manifests the record needs kept."""
+        return {self.version} | ({self.standby_version} if self.standby_version is not None else set())
 
 
 class StateStore:
@@ -69,6 +82,8 @@ class StateStore:
             st = DaemonState(**obj)
             if type(st.version) is not int or st.version < 1:
                 raise ValueError(f"bad version {st.version!r}")
+            if st.slot not in ("a", "b") or not (st.standby_version is None or type(st.standby_version) is int):
+                raise ValueError(f"bad slot {st.slot!r} or standby_version {st.standby_version!r}")
         except (OSError, ValueError, TypeError) as exc:
             raise StateFileError(f"{self.path} is unreadable ({exc}); starting from the newest keyframe") from exc
         mpath = self.manifest_path(st.version)
@@ -83,12 +98,23 @@ class StateStore:
 
     def save(self, state: DaemonState, manifest_data: bytes | None = None) -> None:
         """Record ``state`` (manifest bytes first, then the state file that names them), and
-        drop manifests of other versions."""
+        drop manifests of versions it no longer names."""
         if manifest_data is not None:
             write_atomic(self.manifest_path(state.version), manifest_data)
         write_atomic(self.path, state.to_bytes())
-        keep = self.manifest_path(state.version).name
+        keep = {self.manifest_path(v).name for v in state.kept_versions()}
         if self.manifests.is_dir():
             for p in self.manifests.iterdir():
-                if p.name != keep and p.name.startswith("manifest-"):
+                if p.name not in keep and p.name.startswith("manifest-"):
                     p.unlink(missing_ok=True)
+
+    def manifest(self, version: int, xxh3: str) -> bytes:
+        """The kept manifest bytes of ``version``, checked against their recorded hash."""
+        mpath = self.manifest_path(version)
+        try:
+            mdata = mpath.read_bytes()
+        except OSError as exc:
+            raise StateFileError(f"{mpath} is missing ({exc})") from exc
+        if xxh3_128(mdata) != xxh3:
+            raise StateFileError(f"{mpath} does not hash to the recorded {xxh3}")
+        return mdata
