@@ -4,8 +4,9 @@ bytes written, and install time (commit → ``current`` switched) — keyframe v
 Workload: a bf16 model of ``--gib`` GiB (64 MiB matrices), a keyframe, then deltas that change
 ``--changed`` of the elements (one ulp, at random), a forced keyframe, and more deltas. The
 trainer side publishes into a local store on disk; the daemon (``xcluster subscribe``, its own
-process, as deployed) follows it into ``--out`` on /dev/shm. A sampler reads the daemon's
-/proc status and the bytes under ``--out`` every 20 ms.
+process, as deployed, with ``--engine exec --exec true`` standing for an engine that confirms each
+hand-off at once) follows it into ``--out`` on /dev/shm. A sampler reads the daemon's /proc status
+and the bytes under ``--out`` every 20 ms.
 
 ``--compare DIR`` runs the same workload, in the same run, with the xcluster checkout at DIR
 (e.g. a ``git worktree`` of the commit before the slots) for a side-by-side table.
@@ -150,7 +151,8 @@ def run(label: str, checkout: Path, args, extra: list[str]) -> list[dict]:
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "xcluster.cli", "subscribe", str(store), "--out", str(out),
                                  "--poll", "0.05", "--lease-interval", "0", "--metrics-port", str(port),
-                                 "--log-format", "json", *extra], env=env, cwd=checkout, stdout=log,
+                                 "--log-format", "json", "--engine", "exec", "--exec", "true", *extra],
+                                env=env, cwd=checkout, stdout=log,
                                 stderr=subprocess.STDOUT)
     sampler = Sampler(proc.pid, out)
     sampler.start()
@@ -167,6 +169,9 @@ def run(label: str, checkout: Path, args, extra: list[str]) -> list[dict]:
             else:
                 before_w, before_io = {}, 0
             install = wait_current(log_path, v, timeout=600)
+            end = time.monotonic() + 60  # the standby's catch-up after the hand-off: before the next version
+            while time.monotonic() < end and metric(port, "xcluster_catch_up_duration_seconds_count").get("", v) < v:
+                time.sleep(0.05)
             time.sleep(0.1)
             peak, rss = sampler.take()
             after_w = metric(port, "xcluster_slot_bytes_written_total")

@@ -579,3 +579,21 @@ def slots_mod_handoff_config():
     from xcluster.follow.handoff import HandoffConfig
 
     return HandoffConfig(attempts=1, backoff_s=0, backoff_max_s=0)
+
+
+def test_once_the_engine_took_current_the_standby_is_brought_level_off_the_install_path(tmp_path):
+    """With an engine hand-off, the standby is replayed right after the engine confirmed the
+    version, so the next version's install applies one delta, not two."""
+    store = LocalStore(tmp_path / "store", fsync=False)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=50))
+    out = tmp_path / "out"
+    handed: list = []
+    d = _daemon(store, out, handed=handed)
+    for step in range(5):
+        pub.publish(weights(step), files=FILES)
+        assert d.step() and handed[-1][1] == step + 1
+        cur = d.slots.current()
+        assert _slot_digest(out, d.slots.other(cur)) == model_digest(weights(step))  # level already
+        caught = d.metrics.catch_up_seconds.collect()[0]  # one catch-up per version, after its hand-off
+        assert [s.value for s in caught.samples if s.name.endswith("_count")] == [step + 1]
+    assert d.slots.read_tag(d.slots.current()) == (5, model_digest(weights(4)))

@@ -10,9 +10,10 @@ One loop, one thread:
    atomic) and ``DIR/current`` switched to it;
 3. hand the slot over to the engine (the only step inside the engine's pause); a failed hand-off
    is retried with backoff while the daemon keeps following the store, always with the newest;
-4. bring the other slot to the same version (the same deltas again, from the chunk cache; a
-   byte copy of the current slot after a keyframe or when it cannot be proven), so the next
-   version again needs one delta;
+4. once the engine confirmed it, bring the other slot to the same version (the same deltas
+   again, from the chunk cache; a byte copy of the current slot after a keyframe or when it
+   cannot be proven), so the next version again needs one delta (without an engine hand-off
+   this waits for the next version: a reader of ``current`` gets a version's interval);
 5. every few seconds write ``leases/<node-id>.json`` to the store (what ``xcluster status`` and
    ``xcluster gc`` read).
 
@@ -279,12 +280,22 @@ class Daemon:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> bool:
         """Poll, apply (the standby first brought level), install, hand over, lease. False if
-        something failed (it was logged)."""
+        something failed (it was logged).
+
+        Once the engine has confirmed the version ``current`` names, nothing reads the other slot
+        any more: it is brought level right away, off the next version's install path. Without an
+        engine hand-off that is left until the next version comes (``_follow``), so a reader that
+        resolved ``current`` on its own has a whole version's interval to finish."""
         self._follow_ok = self._follow()
         handed = self._hand_over()
+        ready = True
+        st = self._state
+        if handed and self.handoff is not None and st is not None and st.engine_version == st.version \
+                and not self.config.once:
+            ready = self._ready_standby()
         self._write_lease()
         self._maybe_checkpoint()
-        return self._follow_ok and handed
+        return self._follow_ok and handed and ready
 
     def _maybe_checkpoint(self) -> None:
         """With ``write_checkpoints_every``: once per version held, after the engine was served,
