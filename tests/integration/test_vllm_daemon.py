@@ -44,6 +44,12 @@ def wait_engine(out: Path, version: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"the engine never confirmed version {version}: state {state(out)}")
 
 
+def weight_version(url: str) -> str | None:
+    import requests
+
+    return requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+
+
 def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
     from xcluster.demo.hfmodel import PRESETS, build_model, non_weight_files, write_model_dir
 
@@ -83,6 +89,7 @@ def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
         try:
             wait_engine(out, 1, daemon)
             served[1] = engine_outputs(engine.url, PROMPTS)
+            assert weight_version(engine.url) == "1"  # the engine reports the version it serves
             for step in (1, 2):
                 train_step()
                 w = bf16()
@@ -90,6 +97,7 @@ def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
                 published[res.version] = w
                 wait_engine(out, res.version, daemon)
                 served[res.version] = engine_outputs(engine.url, PROMPTS)
+                assert weight_version(engine.url) == str(res.version)
         finally:
             daemon.send_signal(signal.SIGTERM)
             assert daemon.wait(timeout=60) == 0

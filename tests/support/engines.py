@@ -120,7 +120,7 @@ def _has_index(path: str) -> bool:
 
 def vllm_stand_in(workers: int = 2) -> EngineStub:
     """vLLM's dev-mode weight-reload endpoints; ``state`` holds paused/loaded as the engine would."""
-    state: dict[str, Any] = {"paused": False, "loaded": None}
+    state: dict[str, Any] = {"paused": False, "loaded": None, "weight_version": None}
 
     def reply(call: Call) -> tuple[int, Any]:
         if call.path == "/pause" and call.method == "POST":
@@ -136,6 +136,11 @@ def vllm_stand_in(workers: int = 2) -> EngineStub:
             return 200, {"is_paused": state["paused"]}
         if call.path == "/reset_prefix_cache" and call.method == "POST":
             return 200, b""
+        if call.path == "/update_weight_version" and call.method == "POST":
+            state["weight_version"] = call.body["new_version"]
+            return 200, {"success": True, "new_version": call.body["new_version"]}
+        if call.path == "/weight_info":
+            return 200, {"weight_version": state["weight_version"]}
         if call.path == "/collective_rpc" and call.method == "POST":
             if not isinstance(call.body, dict) or "method" not in call.body:
                 return 400, {"detail": "Missing 'method' in request body"}

@@ -425,7 +425,7 @@ class Soak:
                 self.subs.append(_Proc(name, [
                     sys.executable, "-m", "xcluster.cli", "subscribe", self.url, "--out", str(out),
                     "--poll", str(cfg.poll_s), "--lease-interval", str(cfg.lease_interval_s), "--backoff-max", "2",
-                    "--node-id", name, "--log-format", "json", "--keep", "2", "--no-progress"],
+                    "--node-id", name, "--log-format", "json", "--no-progress"],
                     {**base_env, "AWS_ENDPOINT_URL": sub_proxy.endpoint}, work / f"{name}.log"))
             try:
                 self._chaos(t0)
@@ -738,7 +738,7 @@ class Soak:
             self._observe(s.name, time.time())
             if sr.final_version != head.version:
                 continue
-            d = self.work / s.name / "versions" / str(head.version)
+            d = self._current_slot(s.name)
             tensors: dict[str, torch.Tensor] = {}
             for f in sorted(d.glob("*.safetensors")):
                 tensors.update(load_file(f))

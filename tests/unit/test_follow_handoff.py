@@ -43,15 +43,26 @@ class Sleeps(list):
 def test_vllm_pauses_reloads_resets_and_resumes_in_order(model_dir, current):
     with vllm_stand_in(workers=2) as engine:
         result = VllmHandoff(engine.url, config=FAST).hand_over(current, 12)
-    assert engine.paths() == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert engine.paths() == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+                              "/resume"]
     assert all(c.method == "POST" for c in engine.calls)
     assert engine.calls[0].query == {"mode": ["keep"]}
     real = str(model_dir.path("b").resolve())
     assert engine.calls[1].body == {"method": "reload_weights", "kwargs": {"weights_path": real}}
-    assert engine.state == {"paused": False, "loaded": real}
+    assert engine.calls[3].body == {"new_version": "12"}
+    assert engine.state == {"paused": False, "loaded": real, "weight_version": "12"}
+    assert "tagged weight_version 12" in result.detail
     assert result.version == 12 and result.path == real and result.attempts == 1
     assert result.pause_seconds is not None and 0 <= result.pause_seconds <= result.seconds
     assert "2 worker" in result.detail
+
+
+def test_vllm_without_the_version_endpoint_is_still_served(current):
+    with vllm_stand_in() as engine:
+        engine.script("/update_weight_version", (404, {"detail": "Not Found"}))
+        result = VllmHandoff(engine.url, config=FAST).hand_over(current, 12)
+    assert engine.paths()[-1] == "/resume" and engine.state["loaded"] is not None
+    assert "no version tag" in result.detail
 
 
 def test_vllm_pause_mode_is_sent_and_checked(current):
@@ -84,7 +95,8 @@ def test_vllm_transient_503_on_reload_is_retried(current):
     with vllm_stand_in() as engine:
         engine.script("/collective_rpc", (503, {"detail": "busy"}))
         result = VllmHandoff(engine.url, config=FAST, sleep=sleeps).hand_over(current, 12)
-    assert engine.paths() == ["/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert engine.paths() == ["/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
+                              "/update_weight_version", "/resume"]
     assert result.attempts == 2 and sleeps == [0.5]
 
 

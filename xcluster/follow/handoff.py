@@ -9,7 +9,8 @@ Presets:
 
 * :class:`VllmHandoff` — vLLM's dev-mode endpoints (the engine needs ``VLLM_SERVER_DEV_MODE=1``):
   ``POST /pause?mode=…``, ``POST /collective_rpc`` with ``reload_weights``, ``POST
-  /reset_prefix_cache``, ``POST /resume``. Resume is always attempted once pause was sent, even
+  /reset_prefix_cache``, ``POST /update_weight_version`` (the engine then reports the xcluster
+  version it serves: ``GET /weight_info``), ``POST /resume``. Resume is always attempted once pause was sent, even
   when the reload fails, so a failed hand-off never leaves the engine paused silently.
 * :class:`SglangHandoff` — SGLang's ``POST /update_weights_from_disk``.
 * :class:`HttpHandoff` — any HTTP endpoint, with a JSON body template.
@@ -237,6 +238,8 @@ class VllmHandoff(_HttpEngine):
             most = max(most, n)
             _, n = self._post_ok("/reset_prefix_cache")
             most = max(most, n)
+            tagged, n = self._tag(version)
+            most = max(most, n)
         except BaseException as exc:  # resume below, whatever went wrong, then re-raise
             failure = exc
         try:
@@ -253,7 +256,22 @@ class VllmHandoff(_HttpEngine):
         end = self._clock()
         return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=end - start,
                              attempts=most, detail=f"paused (mode={self.pause_mode}), reloaded on {workers} "
-                                                   "worker(s), prefix cache reset, resumed")
+                                                   f"worker(s), prefix cache reset, {tagged}, resumed")
+
+    def _tag(self, version: int) -> tuple[str, int]:
+        """``POST /update_weight_version``: requests can then be attributed to the version (vLLM's
+        RL endpoints, dev mode). An engine without the endpoint (404) is served all the same."""
+        url = self.url + "/update_weight_version"
+
+        def call() -> str:
+            response = self._send("POST", url, json={"new_version": str(version)})
+            if response.status_code == 404:
+                return "no version tag (the engine lacks /update_weight_version)"
+            if not 200 <= response.status_code < 300:
+                raise HandoffError(f"vLLM refused POST {url} with {response.status_code}: {_tail(response.text)}")
+            return f"tagged weight_version {version}"
+
+        return self._retry("update_weight_version", call)
 
     def _reload(self, real: Path) -> tuple[int, int]:
         """``collective_rpc reload_weights``; every worker's result must be free of errors."""
