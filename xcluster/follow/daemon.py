@@ -38,11 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import (ChainBrokenError, ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError,
-                      StoreError, XclusterError)
-from ..format import FULL_KINDS, INIT_BASE, KEYFRAME
+from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError, StoreError,
+                      XclusterError)
+from ..format import KEYFRAME
 from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
-from ..codec.dtypes import torch_dtype
 from ..codec.encoding import parse_manifest
 from ..read.apply import verify_state
 from ..util.retry import Backoff
@@ -50,10 +49,9 @@ from ..store import Store, resolve_store
 from ..read.subscriber import AppliedVersion, Subscriber, SubscriberConfig
 from .handoff import Handoff, HandoffResult
 from .metrics import DaemonMetrics
-from .slots import Pending, Slots, SlotsConfig, backed_by
+from .keeper import SlotKeeper, listed
+from .slots import Slots, SlotsConfig
 from .state import DaemonState, StateStore
-
-import torch
 
 log = logging.getLogger("xcluster.daemon")
 PROGRESS_MIN_BYTES = 64 << 20
@@ -133,22 +131,15 @@ class Daemon:
         # the cache keeps deltas' chunks until both slots have them (a keyframe's would be most of a model)
         sub_cfg = replace(sub_cfg, chunk_cache_full=False, chunk_cache_prune=config.slots.slots == 1)
         self.subscriber = Subscriber(store=self.store, config=sub_cfg, on_apply=self._on_apply)
-        self.subscriber.allocate = self._allocate
         self.slots = Slots(self.out, config=config.slots)
-        self._views: dict[str, dict[str, torch.Tensor]] = {}  # slot -> views of its mapped files
-        self._work: str | None = None  # the slot whose views the subscriber holds
-        self._pending: list[Pending] = []  # full writes in progress (keyframes)
-        self._patched_bytes = 0
-        self._saw_full = False
-        self._replaying = False
-        self._replayed: tuple[str, int] | None = None  # (slot, version) replayed unverified, held now
         self.states = StateStore(self.out)
         self.handoff = handoff
         self.metrics = metrics or DaemonMetrics()
+        self.keeper = SlotKeeper(self.slots, self.states, self.subscriber, self.metrics,
+                                 fetch_files=self._fetch_files, count_error=self._count_error)
         self._clock = clock
         self._listeners: list[Callable[[Path, int], None]] = []
         self._stop = threading.Event()
-        self._state: DaemonState | None = None
         self._files: dict[str, bytes] = {}  # non-weight files by xxh3, as verified
         self._last_error: str | None = None
         self._engine_state = "none" if handoff is None else "pending"
@@ -182,6 +173,14 @@ class Daemon:
     @property
     def state(self) -> DaemonState | None:
         return self._state
+
+    @property
+    def _state(self) -> DaemonState | None:  # the keeper's record: one truth for both
+        return self.keeper.state
+
+    @_state.setter
+    def _state(self, st: DaemonState | None) -> None:
+        self.keeper.state = st
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop after the current step (exit 0)."""
@@ -234,7 +233,7 @@ class Daemon:
         self.subscriber.refuse_below(st.version)  # whatever happens next, the store may not go backwards
         try:  # the non-weight files as well: the engine is handed the whole directory
             m = parse_manifest(mdata, where="restored manifest")
-            views = self.slots.map(st.slot, expected_files=_listed(m))
+            views = self.slots.map(st.slot, expected_files=listed(m))
             verify_state(views, m, workers=self.subscriber.config.decode_workers,
                          where=f"slot {st.slot} (version {st.version})")
         except XclusterError as exc:
@@ -244,38 +243,12 @@ class Daemon:
             self.slots.discard(st.slot)  # an engine (re)started on `current` must not load it
             return
         self._files.update({xxh3_128(b): b for b in self.slots.files(st.slot).values()})
-        self._views[st.slot] = views
-        self._state = st = replace(st, patching=False)
-        if self.slots.config.slots == 1:
-            self.subscriber.restore(views, mdata, verify=False)  # verified just above
-            self._work = st.slot
-        else:
-            self._resume_standby(st)
-        self.states.save(self._state)
-        if self.slots.current() != st.slot:
-            self.slots.switch_current(st.slot)
+        self.keeper.resume_current(st, views, mdata)
+        st = self.keeper.state
         self.metrics.version_applied(st.version, committed_at=_seconds(st.committed_unix_ms), resumed=True)
         if self.handoff is not None:
             self._engine_state = "ok" if st.engine_version == st.version else "pending"
         log.info("resumed at version %d from %s (digest verified)", st.version, self.slots.path(st.slot))
-
-    def _resume_standby(self, st: DaemonState) -> None:
-        """Hold the standby slot's weights if its digests prove the version recorded for it;
-        otherwise record it untrusted (``_ready_standby`` repairs it from ``current``)."""
-        standby = self.slots.other(st.slot)
-        if st.standby_version is not None and st.standby_manifest_xxh3_128 is not None:
-            try:
-                sdata = self.states.manifest(st.standby_version, st.standby_manifest_xxh3_128)
-                sviews = self.slots.map(standby, expected_files=_listed(parse_manifest(sdata, where="standby")))
-                self.subscriber.restore(sviews, sdata)  # re-hashed: never trust a half-patched file
-                self._views[standby] = sviews
-                self._work = standby
-                return
-            except XclusterError as exc:
-                log.warning("standby slot %s does not prove version %d (%s); repairing it from slot %s", standby,
-                            st.standby_version, exc, st.slot)
-                self._count_error(exc)
-        self._state = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -292,7 +265,7 @@ class Daemon:
         st = self._state
         if handed and self.handoff is not None and st is not None and st.engine_version == st.version \
                 and not self.config.once:
-            ready = self._ready_standby()
+            ready = self.keeper.ready_standby(engine_behind=False)
         self._write_lease()
         self._maybe_checkpoint()
         return self._follow_ok and handed and ready
@@ -334,10 +307,11 @@ class Daemon:
                     self._write_lease(force=True)
                     # only now is the standby touched: a reader that resolved `current` to it one
                     # version ago has had a whole version's interval to finish reading. A keyframe
-                    # replaces it whole (``_allocate``): nothing to bring level first.
-                    if head.kind != KEYFRAME and not self._ready_standby():  # never patch `current`
-                        return False
-                    self._mark_work_dirty()
+                    # replaces it whole (``keeper.allocate``): nothing to bring level first.
+                    if head.kind != KEYFRAME and \
+                            not self.keeper.ready_standby(engine_behind=self._engine_behind()):
+                        return False  # never patch `current`
+                    self.keeper.mark_dirty()
                     dirty = True
                     self.subscriber.sync(poll=False)  # up to the HEAD just read: one request per poll
                 elif head.version < known or self.subscriber.version is not None:
@@ -349,7 +323,7 @@ class Daemon:
             self.metrics.retry("store")
             ok = False
         except XclusterError as exc:  # bad data: keep serving the last good version
-            self._replayed = None  # a replay unverified, then refused on top: never trusted again
+            self.keeper.replayed = None  # a replay unverified, then refused on top: never trusted again
             log.error("version not applied, still serving version %s: %s: %s",
                       self._state.version if self._state else None, type(exc).__name__, exc)
             self._count_error(exc)
@@ -362,122 +336,33 @@ class Daemon:
             if held is not None and (self._state is None or self._state.version != held):
                 self._install(head)
             elif dirty:
-                self._mark_work_clean()  # nothing applied: every patch was undone, bit for bit
+                self.keeper.mark_clean()  # nothing applied: every patch was undone, bit for bit
         except (OSError, XclusterError) as exc:
             log.error("could not install version %s: %s", held, exc)
             self._count_error(exc)
             ok = False
         finally:
-            for pending in self._pending:  # full writes that did not verify
-                self.slots.discard_pending(pending)
-            self._pending.clear()
+            self.keeper.discard_pending()  # full writes that did not verify
         return ok
 
-    # --- slots --------------------------------------------------------------------------------
-    def _work_slot(self) -> str:
-        """The slot new versions go into: the one ``current`` does not name (with one slot, that one)."""
+    def _engine_behind(self) -> bool:
+        """An engine that has not taken ``current`` may still serve the standby's files: loaders
+        that keep tensors backed by a mmap of them (transformers on CPU) would see patches made in
+        place. Then the standby gets fresh files (a copy) instead; the engine's stay as they were."""
         st = self._state
-        if st is None:
-            return self.slots.names[0]
-        return self.slots.other(st.slot)
-
-    def _mark_work_dirty(self) -> None:
-        """Record the slot about to be patched as untrusted, before anything touches it (with one
-        slot, ``current`` is unlinked too: an engine (re)started meanwhile finds nothing)."""
-        st = self._state
-        if st is None:
-            return
-        if self.slots.config.slots == 1:
-            self.slots.unlink_current()
-            self._state = replace(st, patching=True)
-        else:
-            self._state = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
-        self.states.save(self._state)
-        work = self._work_slot()
-        if self.slots.exists(work):
-            self.slots.untag(work)
-
-    def _mark_work_clean(self) -> None:
-        """The work slot holds the recorded version again (an undone patch): flush, record, relink."""
-        st = self._state
-        if st is None:
-            return
-        work = self._work_slot()
-        if self._work != work or self.subscriber.version != st.version or work not in self._views \
-                or not self.subscriber.verified \
-                or not backed_by(self.subscriber.state_dict(copy=False), self._views[work]):
-            return  # not provably whole: _ready_standby repairs it
-        self.slots.flush(work)
-        self.slots.tag(work, st.version, st.model_digest)
-        if self.slots.config.slots == 1:
-            self._state = replace(st, patching=False)
-            self.states.save(self._state)
-            self.slots.switch_current(st.slot)
-        else:
-            self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
-            self.states.save(self._state)
-
-    def _allocate(self, m: Manifest, where: str) -> dict[int, torch.Tensor] | None:
-        """A full version is written straight into a fresh directory for the work slot (so it never
-        sits in memory as well); the slot's old files are dropped first, so a keyframe costs no
-        third copy of the model. Other versions allocate in memory (the rare new tensor)."""
-        if any(t.init == INIT_BASE for t in m.tensors) or m.kind not in FULL_KINDS:
-            return None
-        if self._replaying:  # the install recorded no standby version across a keyframe: never here
-            raise ChainBrokenError(f"{where}: a full version between the standby's version and current's; "
-                                   "the standby is copied instead")
-        work = self._work_slot()
-        self.subscriber.release()  # it held the work slot's files: they are about to be replaced
-        self._views.pop(work, None)
-        self._work = None
-        self.slots.discard(work)
-        pending = self.slots.layout(work, [(t.name, torch_dtype(t.dtype), t.shape) for t in m.tensors])
-        self._pending.append(pending)
-        return {i: pending.tensors[t.name] for i, t in enumerate(m.tensors)}
+        return self.handoff is not None and st is not None and st.engine_version not in (None, st.version)
 
     def _install(self, head) -> None:
-        """Make the held version's slot durable and complete, record it, switch ``current``."""
+        """Make the held version's slot durable and current (``keeper.py``), then tell the metrics,
+        the log, the engine's hand-off and the listeners."""
         t0 = time.perf_counter()
         snap = self.subscriber.snapshot(copy=False)  # only this thread patches it
         m = snap.manifest
-        assert m is not None and snap.version is not None and snap.manifest_data is not None
+        assert m is not None and snap.version is not None
         files = self._fetch_files(m)
-        work = self._work_slot()
-        pending: Pending | None = next((p for p in self._pending if backed_by(snap.state, p.tensors)), None)
         ev = self._last_applied
-        if pending is not None:  # a keyframe written into its fresh directory
-            self._pending.remove(pending)
-            views = self.slots.commit(pending, files)
-            self.metrics.slot_bytes_written.labels("full").inc(m.model_bytes)
-        elif self._work == work and backed_by(snap.state, self._views.get(work, {})):  # patched in place
-            self.slots.set_files(work, files)
-            self.slots.flush(work)
-            views = self._views[work]
-            self.metrics.slot_bytes_written.labels("patch").inc(self._patched_bytes)
-        else:  # new tensors, or nothing mapped yet: one full write
-            views = self.slots.write(work, snap.state, files)
-            self.subscriber.rebind(views)
-            self.metrics.slot_bytes_written.labels("full").inc(m.model_bytes)
-        self._patched_bytes = 0
-        self._views[work] = views
-        self._work = work
-        self._replayed = None
-        self.slots.tag(work, snap.version, m.model_digest)
-        saw_full, self._saw_full = self._saw_full, False  # the standby then gets a copy, not a replay
         committed = head.committed_unix_ms if head is not None and head.version == snap.version else None
-        prev = self._state
-        two = self.slots.config.slots == 2
-        st = DaemonState(version=snap.version, model_digest=m.model_digest,
-                         manifest_xxh3_128=snap.manifest_xxh3_128, committed_unix_ms=committed,
-                         engine_version=prev.engine_version if prev else None, slot=work,
-                         standby_version=prev.version if two and prev and not saw_full else None,
-                         standby_manifest_xxh3_128=prev.manifest_xxh3_128 if two and prev else None)
-        if st.standby_version is None:
-            st = replace(st, standby_manifest_xxh3_128=None)
-        self.states.save(st, snap.manifest_data)
-        self.slots.switch_current(work)
-        self._state = st
-        path = self.slots.path(work)
+        path = self.keeper.install(snap, files, committed)
         write_s = time.perf_counter() - t0
         self.metrics.write_dir_seconds.observe(write_s)
         self.metrics.version_applied(snap.version, committed_at=_seconds(committed),
@@ -496,99 +381,6 @@ class Daemon:
             except Exception as exc:  # a listener's failure is reported, never fatal
                 log.error("on_update listener failed for version %d: %s", snap.version, exc, exc_info=True)
                 self._count_error(exc)
-
-    def _ready_standby(self) -> bool:
-        """Two slots: make the subscriber hold the standby slot, at ``current``'s version. The
-        standby is brought forward by the deltas it lacks (their chunks are cached), or, after a
-        keyframe or when that fails, repaired as a byte copy of ``current``'s slot, re-verified.
-        One slot: the subscriber holds it already. False if the standby could not be made ready."""
-        st = self._state
-        if st is None or self.slots.config.slots == 1:
-            return True
-        standby = self.slots.other(st.slot)
-        # An engine that has not taken ``current`` may still serve the standby's files: loaders that
-        # keep tensors backed by a mmap of them (transformers on CPU) would see patches made in
-        # place. Then the standby gets fresh files (a copy) instead; the engine's stay as they were.
-        engine_behind = self.handoff is not None and st.engine_version not in (None, st.version)
-        if not engine_behind and self._work == standby and self.subscriber.version == st.version and \
-                (st.standby_version == st.version or self._replayed == (standby, st.version)):
-            return True
-        t0 = time.perf_counter()
-        try:
-            if engine_behind or not self._replay(st, standby):
-                self._repair(st, standby)
-        except (OSError, XclusterError) as exc:
-            log.error("could not bring standby slot %s to version %d: %s", standby, st.version, exc)
-            self._count_error(exc)
-            return False
-        self.metrics.catch_up_seconds.observe(time.perf_counter() - t0)
-        self.subscriber.prune_chunk_cache(st.version)  # both slots have every version up to it
-        return True
-
-    def _replay(self, st: DaemonState, standby: str) -> bool:
-        """Apply to the standby the deltas from its recorded version to ``st.version``; False when
-        it cannot (nothing proven there, a keyframe between, a failure: all logged)."""
-        base = st.standby_version
-        if base is None or st.standby_manifest_xxh3_128 is None:
-            return False
-        if not (self._work == standby and self.subscriber.version == base and standby in self._views):
-            try:
-                bdata = self.states.manifest(base, st.standby_manifest_xxh3_128)
-                views = self._views.get(standby) or self.slots.map(standby)
-                self.subscriber.restore(views, bdata, verify=False)  # verified when it held that version
-                self._views[standby] = views
-                self._work = standby
-            except XclusterError as exc:
-                log.warning("standby slot %s cannot be read (%s); repairing it", standby, exc)
-                return False
-        if base != st.version:
-            self._state = st = replace(st, standby_version=None, standby_manifest_xxh3_128=None)
-            self.states.save(st)  # untrusted while patched
-            self.slots.untag(standby)
-            self._replaying = True
-            try:  # versions verified before, onto their proven base: hashed once, at the next version
-                self.subscriber.sync(until=st.version, poll=False, verify=False)
-            except XclusterError as exc:
-                log.warning("replaying versions %d..%d onto standby slot %s failed (%s: %s); repairing it from "
-                            "slot %s", base + 1, st.version, standby, type(exc).__name__, exc, st.slot)
-                return False
-            finally:
-                self._replaying = False
-        snap = self.subscriber.snapshot(copy=False)
-        if snap.version != st.version or snap.manifest_xxh3_128 != st.manifest_xxh3_128 \
-                or not backed_by(snap.state, self._views[standby]):
-            return False
-        self.metrics.slot_bytes_written.labels("patch").inc(self._patched_bytes)
-        self._patched_bytes = 0
-        self.slots.set_files(standby, self._fetch_files(snap.manifest))
-        if self.subscriber.verified:  # nothing replayed: it holds the version it was proven to hold
-            self.slots.flush(standby)
-            self.slots.tag(standby, st.version, st.model_digest)
-            self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
-            self.states.save(self._state)
-        else:  # recorded untrusted, untagged: the next version, applied on top, verifies every tensor
-            self._replayed = (standby, st.version)
-            log.info("standby slot %s brought to version %d by the deltas since %d", standby, st.version, base)
-        return True
-
-    def _repair(self, st: DaemonState, standby: str) -> None:
-        """The standby as a byte copy of ``current``'s slot, proven by its digests (its old files
-        go first: a copy beside them would be a third model's worth)."""
-        self.subscriber.release()
-        self._views.pop(standby, None)
-        self._work = None
-        self.slots.discard(standby)
-        self.slots.copy(st.slot, standby)
-        self.metrics.slot_bytes_written.labels("copy").inc(self.slots.slot_bytes(standby))
-        mdata = self.states.manifest(st.version, st.manifest_xxh3_128)
-        views = self.slots.map(standby)
-        self.subscriber.restore(views, mdata)
-        self.slots.tag(standby, st.version, st.model_digest)
-        self._views[standby] = views
-        self._work = standby
-        self._state = replace(st, standby_version=st.version, standby_manifest_xxh3_128=st.manifest_xxh3_128)
-        self.states.save(self._state)
-        log.info("standby slot %s repaired as a copy of slot %s (version %d)", standby, st.slot, st.version)
 
     def _fetch_files(self, m: Manifest) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -720,8 +512,7 @@ class Daemon:
                 self._bar[1].close()
                 self._bar = None
         self._last_applied = ev
-        self._patched_bytes += ev.bytes_patched
-        self._saw_full = self._saw_full or ev.kind in FULL_KINDS
+        self.keeper.on_applied(ev)
         self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
         self.metrics.apply_seconds.observe(ev.apply_seconds)
 
@@ -734,10 +525,6 @@ class Daemon:
         if s.refetches > last[1]:
             self.metrics.retry("fetch", s.refetches - last[1])
         self._stats_seen = (s.checksum_failures, s.refetches)
-
-
-def _listed(m: Manifest) -> dict[str, tuple[int, str]]:
-    return {f.name: (f.size, f.xxh3_128) for f in m.files}
 
 
 def _seconds(unix_ms: int | None) -> float | None:
