@@ -131,7 +131,7 @@ class SlotKeeper:
         if self.work != work or self.subscriber.version != st.version or work not in self.views \
                 or not self.subscriber.verified \
                 or not backed_by(self.subscriber.state_dict(copy=False), self.views[work]):
-            return  # not provably whole: _ready_standby repairs it
+            return  # not provably whole: ready_standby repairs it
         self.slots.flush(work)
         self.slots.tag(work, st.version, st.model_digest)
         if self.slots.config.slots == 1:
