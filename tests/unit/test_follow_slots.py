@@ -364,7 +364,8 @@ def test_the_daemon_patches_deltas_in_place_and_the_standby_lags_one_version(tmp
     assert cached == ([] if nslots == 1 else [f"{max(kinds):012d}"])  # what the standby still lacks
 
 
-def test_a_restart_proves_the_standby_or_repairs_it_from_current(tmp_path):
+def _following(tmp_path) -> tuple[LocalStore, Publisher, Path, Daemon]:
+    """A store of versions 1..3 (deltas after a keyframe) and a two-slot daemon that followed them."""
     store = LocalStore(tmp_path / "store", fsync=False)
     pub = Publisher(store=store, config=PublisherConfig(keyframe_every=50))
     out = tmp_path / "out"
@@ -372,6 +373,11 @@ def test_a_restart_proves_the_standby_or_repairs_it_from_current(tmp_path):
     for step in range(3):
         pub.publish(weights(step), files=FILES)
         assert d.step()
+    return store, pub, out, d
+
+
+def test_a_restart_proves_the_standby_or_repairs_it_from_current(tmp_path):
+    store, pub, out, d = _following(tmp_path)
     cur, standby = d.slots.current(), d.slots.other(d.slots.current())
     del d
     _flip_last_byte(out / "slots" / standby / SHARD)  # the standby is not what its record says
@@ -484,13 +490,8 @@ sys.exit(3)  # not reached
 
 @pytest.mark.parametrize("where", ["mid-patch", "between-patch-and-switch"])
 def test_kill9_while_a_delta_is_patched_leaves_current_whole_and_the_standby_is_repaired(tmp_path, where):
-    store_dir, out = tmp_path / "store", tmp_path / "out"
-    store = LocalStore(store_dir, fsync=False)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=50))
-    d = _daemon(store, out)
-    for step in range(3):
-        pub.publish(weights(step), files=FILES)
-        assert d.step()
+    store, pub, out, d = _following(tmp_path)
+    store_dir = tmp_path / "store"
     del d
     cur = Slots(out).current()
     pub.publish(weights(3), files=FILES)
@@ -518,13 +519,7 @@ def test_a_standby_changed_under_the_daemon_is_caught_by_the_next_version_and_re
     """The standby's catch-up replays verified deltas without hashing them again; the version
     applied on top then hashes every tensor, so a standby that is not what its record says
     (a stray write, a bad page) is refused, never installed, and repaired from current."""
-    store = LocalStore(tmp_path / "store", fsync=False)
-    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=50))
-    out = tmp_path / "out"
-    d = _daemon(store, out)
-    for step in range(3):
-        pub.publish(weights(step), files=FILES)
-        assert d.step()
+    store, pub, out, d = _following(tmp_path)
     standby = d.slots.other(d.slots.current())
     with open(out / "slots" / standby / SHARD, "r+b") as f:  # one byte, in place: the mapping sees it
         f.seek(-1, os.SEEK_END)
