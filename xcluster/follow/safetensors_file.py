@@ -27,10 +27,6 @@ for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def plan_shards(sized: list[tuple[str, int]], limit: int) -> list[list[str]]:
     """Fill shards in the given order up to ``limit`` bytes; an oversized tensor gets its own shard.
     There is always at least one shard (an empty state writes one empty file)."""
@@ -45,15 +41,24 @@ def plan_shards(sized: list[tuple[str, int]], limit: int) -> list[list[str]]:
     return shards
 
 
-def _width(dtype: torch.dtype) -> int:
+def width(dtype: torch.dtype) -> int:
+    """Bytes per element."""
     return torch.empty((), dtype=dtype).element_size()
+
+
+def spec_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``."""
+    n = width(dtype)
+    for d in shape:
+        n *= d
+    return n
 
 
 def aligned_order(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Widest elements first, by name within a width: after a header padded to 8 bytes every
     tensor then starts at a multiple of its element size (each one before it spans a multiple
     of its own, larger or equal, width)."""
-    return sorted(specs, key=lambda s: (-_width(s[1]), s[0]))
+    return sorted(specs, key=lambda s: (-width(s[1]), s[0]))
 
 
 def header_bytes(order: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str],
@@ -64,9 +69,7 @@ def header_bytes(order: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata
     offsets = []
     offset = 0
     for name, dtype, shape in order:
-        n = _width(dtype)
-        for d in shape:
-            n *= d
+        n = spec_bytes(dtype, shape)
         header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offsets.append((offset, offset + n))
         offset += n

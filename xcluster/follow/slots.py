@@ -49,7 +49,7 @@ import torch
 from ..errors import ConfigError, ModelDirError, UnsafeNameError
 from ..format import check_file_name, xxh3_128
 from ..util.fsutil import exchange_paths, fsync_path, write_atomic, write_synced
-from .safetensors_file import ST_DTYPES, ST_NAMES, aligned_order, header_bytes, nbytes, plan_shards, read_header
+from .safetensors_file import ST_DTYPES, ST_NAMES, aligned_order, header_bytes, plan_shards, read_header, spec_bytes, width
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Slots:
             if dtype not in ST_DTYPES:
                 raise ModelDirError(f"tensor {n!r} is {dtype}, which safetensors cannot name; it cannot be "
                                     "written into a model directory")
-        sized = [(n, _spec_bytes(dtype, shape)) for n, dtype, shape in specs]
+        sized = [(n, spec_bytes(dtype, shape)) for n, dtype, shape in specs]
         by_name = {s[0]: s for s in specs}
         shards = plan_shards(sized, self.config.shard_bytes)
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -313,10 +313,10 @@ class Slots:
                 dtype = ST_NAMES.get(st_dtype)
                 if dtype is None:
                     raise ModelDirError(f"{path}: {n!r} has dtype {st_dtype!r}, which xcluster does not write")
-                if end - begin != _spec_bytes(dtype, shape):
+                if end - begin != spec_bytes(dtype, shape):
                     raise ModelDirError(f"{path}: {n!r} spans {end - begin} bytes, its shape {shape} of {st_dtype} "
                                         "needs another size")
-                if (head_len + begin) % max(1, torch.empty((), dtype=dtype).element_size()):
+                if (head_len + begin) % width(dtype):
                     raise ModelDirError(f"{path}: {n!r} is not aligned to its element size; the slot was not "
                                         "written by xcluster")
                 order.append((n, dtype, shape))
@@ -417,12 +417,6 @@ class Slots:
         d = self.path(name)
         return sum(p.stat().st_size for p in d.iterdir() if p.is_file()) if d.is_dir() else 0
 
-    def disk_bytes(self) -> int:
-        """Bytes of every file under ``root/slots`` (what the slots cost in a tmpfs)."""
-        if not self._dir.is_dir():
-            return 0
-        return sum(p.stat().st_size for p in self._dir.rglob("*") if p.is_file() and not p.is_symlink())
-
     # --- internals -------------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
         if name not in self.names:
@@ -448,13 +442,6 @@ class Slots:
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _spec_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
 def _views(path: Path, size: int, head_len: int, order: list[TensorSpec],
            offsets: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Writable ``MAP_SHARED`` views of the tensors of one shard file."""
@@ -499,4 +486,4 @@ def backed_by(state: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tenso
 
 
 __all__ = ["CURRENT_NAME", "INDEX_NAME", "Pending", "SLOT_NAMES", "Slots", "SlotsConfig", "backed_by",
-           "checked_files", "nbytes"]
+           "checked_files"]
