@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..codec.decode import Fill, Patch, Scatter, block_memory, decode_block, fill, patch
@@ -103,7 +104,8 @@ def verify_state(state: Mapping[str, torch.Tensor], m: Manifest, *, workers: int
 
 def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor], where: str, *,
                      base: Mapping[str, torch.Tensor], digests: Mapping[str, str], workers: int,
-                     commit: Callable[[dict[str, torch.Tensor]], None], verify: bool = True) -> int:
+                     commit: Callable[[dict[str, torch.Tensor]], None], verify: bool = True,
+                     changes: dict[str, np.ndarray] | None = None) -> int:
     """Patch ``m``'s ``-sub`` blocks onto the tensors of ``base`` (its ``planes`` blocks already
     filled ``fresh``), verify every digest, and hand the new weights, by name, to ``commit``;
     on any failure or interrupt every patch is undone, after every worker has stopped.
@@ -115,7 +117,11 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
     ``verify=False`` patches without hashing anything: only for a caller that replays versions
     it verified before onto a copy proven to be their base, and that verifies every tensor of
     the version it ends at (the subscriber then holds no verified digests, so the next version
-    hashes every tensor)."""
+    hashes every tensor).
+
+    ``changes``, where given, receives once the version verified the flat positions (int64) of
+    the elements it changed, by tensor name: what an engine that holds the base version must be
+    sent (``follow/engine_update.py``). A tensor the version fills from scratch lists all of them."""
     # tensors of the new state: patched in place (init base) or fresh (init none)
     target: list[torch.Tensor] = []
     for t in m.tensors:
@@ -136,6 +142,7 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
     pending = Counter(i for ts in block_tensors.values() for i in ts)
     hashed: dict[int, str] = {}
     written = [0]
+    found: dict[int, list[tuple[int, np.ndarray]]] | None = None if changes is None else {}
 
     def run_block(bi: int) -> None:
         b = m.blocks[bi]
@@ -149,6 +156,10 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
                 with plock:
                     applied.append((tgt, op))
                     written[0] += op.diff.size * tgt.element_size()
+            if found is not None:
+                pos = _changed_positions(op)
+                with plock:
+                    found.setdefault(op.tensor, []).append((_first(op), pos))
         with plock:
             done = []
             for i in block_tensors[bi]:
@@ -184,12 +195,45 @@ def patch_and_verify(m: Manifest, chunks: dict[int, bytes], fresh: dict[int, tor
                 raise DigestMismatchError(f"{where}: model digest {got} != manifest {m.model_digest}")
             # swap before anything else can be interrupted (the pool's shutdown below can be):
             # ``commit`` moves weights and label together in one statement
+            if changes is not None:
+                changes.update(_collect(m, found, target))
             commit({t.name: target[i] for i, t in enumerate(m.tensors)})
             ok = True
             return written[0]
         finally:
             if not ok:  # every block has stopped (see run_all): undo is not racing a patch
                 shielded(lambda: [patch(tgt, op, undo=True) for tgt, op in reversed(applied)])
+
+
+def _first(op: Fill | Patch | Scatter) -> int:
+    return int(op.positions[0]) if isinstance(op, Scatter) and op.positions.size else getattr(op, "start", 0)
+
+
+def _changed_positions(op: Fill | Patch | Scatter) -> np.ndarray:
+    """Flat positions (int64) of the elements ``op`` changes: where its diff is not zero; all it
+    writes for a fill."""
+    if isinstance(op, Fill):
+        return np.arange(op.start, op.start + op.planes[0].size, dtype=np.int64)
+    nz = op.diff != 0
+    if isinstance(op, Scatter):
+        return op.positions[nz].astype(np.int64, copy=False)
+    if op.gaps is None:
+        return np.flatnonzero(nz) + op.start
+    pos = np.cumsum(op.gaps.astype(np.int64) + 1)
+    pos += op.start - 1
+    return pos[nz]
+
+
+def _collect(m: Manifest, found: dict[int, list[tuple[int, np.ndarray]]],
+             target: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for i, t in enumerate(m.tensors):
+        if t.init != INIT_BASE:
+            out[t.name] = np.arange(target[i].numel(), dtype=np.int64)
+        elif i in found:
+            parts = [p for _, p in sorted(found[i], key=lambda sp: sp[0])]
+            out[t.name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return out
 
 
 __all__ = ["alloc", "alloc_fresh", "check_limits", "fill_block", "patch_and_verify", "verify_state"]

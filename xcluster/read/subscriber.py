@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .apply import alloc_fresh, check_limits, fill_block, patch_and_verify, verify_state
@@ -124,6 +125,9 @@ class AppliedVersion:
     manifest_xxh3_128: str = ""
     bytes_patched: int = 0
     """Bytes of the elements a delta's patches wrote into the tensors held (0 for a full version)."""
+    changes: Mapping[str, np.ndarray] | None = None
+    """With :attr:`Subscriber.record_changes`, for a delta: the flat positions (int64) of the
+    elements it changed, by tensor name (tensors it left alone are absent). None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +182,9 @@ class Subscriber:
         self.on_apply = on_apply
         self.on_chunk: Callable[[Manifest, int], None] | None = None
         """Called from fetch threads with each verified chunk's size (progress bars)."""
+        self.record_changes = False
+        """Record the positions each delta changes (:attr:`AppliedVersion.changes`), for an engine
+        updated in place."""
         self.allocate: Callable[[Manifest, str], dict[int, torch.Tensor] | None] | None = None
         """Makes the empty tensors a version fills (those of ``init: none``, by index), e.g. in a
         model directory's memory-mapped files; None, or a call that returns None: in memory."""
@@ -536,7 +543,9 @@ class Subscriber:
                                 on_chunk=self.on_chunk)
         t1 = time.perf_counter()
         with self._lock:  # on a thread of its own: an interrupt waits until weights and label agree
-            patched = shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name))
+            changes: dict | None = {} if self.record_changes and m.kind not in FULL_KINDS else None
+            patched = shielded(lambda: self._patch_and_verify(m, mhash, chunks, fresh, where, data, label, name,
+                                                              changes))
         chunks.clear()  # free the compressed bytes now
         fresh.clear()
         self.stats.versions_applied += 1
@@ -545,7 +554,7 @@ class Subscriber:
         t2 = time.perf_counter()
         ev = AppliedVersion(version=m.version, kind=m.kind, model_digest=m.model_digest, applied_unix=time.time(),
                             bytes_fetched=m.chunk_bytes, seconds=t2 - t0, fetch_seconds=t1 - t0,
-                            apply_seconds=t2 - t1, bytes_patched=patched,
+                            apply_seconds=t2 - t1, bytes_patched=patched, changes=changes,
                             manifest_xxh3_128=mhash if label is None else label.link.xxh3_128,
                             committed_unix_ms=head.committed_unix_ms if head.version == m.version else None)
         log.info("applied version %d (%s, %d bytes) in %.3fs", m.version, m.kind, m.chunk_bytes, ev.seconds)
@@ -554,7 +563,7 @@ class Subscriber:
 
     def _patch_and_verify(self, m: Manifest, mhash: str, chunks: dict[int, bytes], fresh: dict[int, torch.Tensor],
                           where: str, data: bytes, label: LinkedManifest | None = None,
-                          name: str | None = None) -> int:
+                          name: str | None = None, changes: dict | None = None) -> int:
         """Patch ``m`` onto what is held, verify, and swap weights and label together
         (apply.py); on any failure what is held stays, bit for bit."""
         held = self._held
@@ -572,7 +581,8 @@ class Subscriber:
 
         return patch_and_verify(m, chunks, fresh, where, base=self._state,
                          digests=held.digests if held is not None and not is_key else {},
-                         workers=self.config.decode_workers, commit=swap, verify=self._verify)
+                         workers=self.config.decode_workers, commit=swap, verify=self._verify,
+                         changes=changes)
 
 
 def _same_layout(state: Mapping[str, torch.Tensor], m: Manifest, where: str) -> dict[str, torch.Tensor]:
