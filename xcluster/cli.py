@@ -125,7 +125,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     handoff = None
     if args.engine != "none":
         handoff = make_handoff(args.engine, url=args.engine_url, body=args.engine_body, exec_cmd=args.exec_cmd,
-                               **_given(pause_mode=args.pause_mode),
+                               **_given(pause_mode=args.pause_mode, engine_update=args.engine_update),
                                config=HandoffConfig(**_given(timeout_s=args.handoff_timeout)))
     notify_socket = os.environ.get("NOTIFY_SOCKET")  # systemd's, read here and passed down
     poll = _or_default(args.poll, DaemonConfig, "poll_s")
@@ -171,6 +171,10 @@ def _add_subscribe(sub) -> None:
                    "XCLUSTER_VERSION set")
     p.add_argument("--pause-mode", choices=["keep", "wait", "abort"],
                    help="vLLM: what happens to requests in flight during the switch (default: make_handoff's pause_mode)")
+    p.add_argument("--engine-update", choices=["in-place", "reload"],
+                   help="vLLM: in-place writes only each delta's changed elements into the running engine "
+                   "(needs xcluster's worker extension in it, else it reloads), reload always reloads from the "
+                   "directory (default: make_handoff's engine_update)")
     p.add_argument("--handoff-timeout", type=float,
                    help="seconds per hand-off request (default: HandoffConfig.timeout_s)")
     p.add_argument("--slots", type=int, choices=[1, 2],
@@ -215,20 +219,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"head": fs.head.version if fs.head else None, "subscribers": [
             {"node": s.lease.node_id, "version": s.lease.version, "behind": s.behind, "staleness_s": s.staleness_s,
              "engine_state": s.lease.engine_state, "engine_version": s.lease.engine_version, "live": s.live,
+             "engine_update": s.lease.engine_update, "engine_verified_version": s.lease.engine_verified_version,
              "lease_age_s": round(s.age_s, 3), "last_error": s.lease.last_error} for s in fs.subscribers],
             "unreadable_leases": fs.unreadable}, indent=1))
     else:
         print(f"{args.url}: HEAD {'none' if fs.head is None else fs.head.version}"
               f"{'' if fs.head is None else f' ({fs.head.kind}, keyframe {fs.head.keyframe_version})'}; "
               f"{len(fs.subscribers)} subscriber(s)")
-        print(f"{'node':<24} {'version':>8} {'behind':>6} {'stale':>9} {'engine':<16} {'lease':<14} last error")
+        print(f"{'node':<24} {'version':>8} {'behind':>6} {'stale':>9} {'engine':<16} {'update':<10} "
+              f"{'verified':<10} {'lease':<14} last error")
         for s in fs.subscribers:
             le = s.lease
             eng = le.engine_state + (f" v{le.engine_version}" if le.engine_version is not None else "")
+            upd = le.engine_update or "-"
+            ver = "-" if le.engine_verified_version is None else f"v{le.engine_verified_version}"
+            if le.engine_version is not None and le.engine_verified_version not in (None, le.engine_version):
+                ver += " UNPROVEN"  # the engine serves a version its own hashes did not prove
             stale = "-" if s.staleness_s is None else f"{s.staleness_s:.1f}s"
             lease = f"{'live' if s.live else 'EXPIRED'} {s.age_s:.0f}s"
             print(f"{le.node_id:<24} {le.version if le.version is not None else '-':>8} "
-                  f"{s.behind if s.behind is not None else '-':>6} {stale:>9} {eng:<16} {lease:<14} "
+                  f"{s.behind if s.behind is not None else '-':>6} {stale:>9} {eng:<16} {upd:<10} {ver:<10} {lease:<14} "
                   f"{(le.last_error or '')[:100]}")
         for key in fs.unreadable:
             print(f"unreadable lease: {key}")

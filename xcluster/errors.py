@@ -179,6 +179,11 @@ class TransientHandoffError(HandoffError):
     """A hand-off failure worth retrying: connection refused/reset, timeout, HTTP 5xx or 429."""
 
 
+class EngineWeightsMismatchError(HandoffError):
+    """The engine's workers hashed their loaded parameters and they are not the version handed
+    over (after an in-place update, the daemon reloads; after a reload, the hand-off fails)."""
+
+
 # --- background publishing -------------------------------------------------------------------
 class BackgroundPublishError(XclusterError):
     """A publish running in the background failed; ``__cause__`` is the original error.

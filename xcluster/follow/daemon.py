@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import (ChecksumMismatchError, ConfigError, HandoffError, ObjectNotFoundError, StoreError,
-                      XclusterError)
+from ..errors import (ChecksumMismatchError, ConfigError, EngineWeightsMismatchError, HandoffError,
+                      ObjectNotFoundError, StoreError, XclusterError)
 from ..format import KEYFRAME
 from ..format import Lease, Manifest, check_node_id, file_key, lease_key, xxh3_128
 from ..codec.encoding import parse_manifest
@@ -47,6 +47,7 @@ from ..read.apply import verify_state
 from ..util.retry import Backoff
 from ..store import Store, resolve_store
 from ..read.subscriber import AppliedVersion, Subscriber, SubscriberConfig
+from .engine_update import ChangeLog, WeightsUpdate, write_patch
 from .handoff import Handoff, HandoffResult
 from .metrics import DaemonMetrics
 from .keeper import SlotKeeper, listed
@@ -143,6 +144,13 @@ class Daemon:
         self._files: dict[str, bytes] = {}  # non-weight files by xxh3, as verified
         self._last_error: str | None = None
         self._engine_state = "none" if handoff is None else "pending"
+        # an engine updated in place is sent the elements changed since the version it holds
+        self._updates = bool(getattr(handoff, "takes_updates", False))
+        self.subscriber.record_changes = self._updates
+        self._changes = ChangeLog()
+        self._engine_update: str | None = None
+        self._engine_verified: int | None = None
+        self._tensors: tuple[str | None, tuple] = (None, ())  # (manifest hash, its tensors' names/shapes/dtypes)
         self.metrics.set_info(source=self.store.url, out=str(self.out), node=config.node_id,
                               engine=getattr(handoff, "name", "none") if handoff is not None else "none")
         self._lease_at = 0.0
@@ -418,8 +426,13 @@ class Daemon:
             return False
         path = self.slots.path(st.slot).resolve()
         try:
-            res: HandoffResult = self.handoff.hand_over(path, st.version)
+            if self._updates:
+                res: HandoffResult = self.handoff.hand_over(path, st.version, update=self._weights_update(st))
+            else:
+                res = self.handoff.hand_over(path, st.version)
         except HandoffError as exc:
+            if isinstance(exc, EngineWeightsMismatchError):
+                self._engine_verified = None  # the engine serves weights nobody proved: status shows it
             delay = self._handoff_backoff.next_delay()
             self._handoff_at = now + delay
             self._engine_state = "failing"
@@ -430,6 +443,10 @@ class Daemon:
             self._last_error = f"hand-off of version {st.version}: {exc}"
             return False
         self._handoff_backoff.reset()
+        self._changes.reset(st.version)
+        self._drop_patch()
+        self._engine_update = "in-place" if res.method == "in-place" else "reload"
+        self._engine_verified = st.version if res.verified else None
         self._state = st.with_engine(st.version)
         self.states.save(self._state)
         self._engine_state = "ok"
@@ -438,9 +455,31 @@ class Daemon:
         committed = st.committed_unix_ms
         lag = f"; commit → engine {self._clock() - committed / 1000:.3f}s" if committed else ""
         pause = f", engine paused {res.pause_seconds:.3f}s" if res.pause_seconds is not None else ""
-        log.info("engine took version %d in %.3fs%s%s", st.version, res.seconds, pause, lag)
+        log.info("engine took version %d in %.3fs%s%s (%s%s)", st.version, res.seconds, pause, lag, res.method,
+                 ", verified" if res.verified else "")
         self._ready()
         return True
+
+    def _weights_update(self, st: DaemonState) -> WeightsUpdate | None:
+        """What an engine updated in place is given: the installed tensors and, when the change log
+        reaches back to the engine's version, a file of the elements changed since (else: reload)."""
+        views = self.keeper.views.get(st.slot)  # current's slot, as verified when installed or resumed
+        if views is None:
+            return None
+        if self._tensors[0] != st.manifest_xxh3_128:
+            m = parse_manifest(self.states.manifest(st.version, st.manifest_xxh3_128), where="installed manifest")
+            self._tensors = (st.manifest_xxh3_128, tuple((t.name, tuple(t.shape), t.dtype) for t in m.tensors))
+        patch = None
+        if self._changes.covers(st.engine_version, st.version):
+            patch = self.out / "engine" / f"patch-{st.version}.safetensors"
+            size = write_patch(patch, views, self._changes.positions)
+            log.debug("engine patch %s: %d elements, %d bytes", patch, self._changes.elements(), size)
+        return WeightsUpdate(weights=views, tensors=self._tensors[1], patch=patch,
+                             patch_elements=self._changes.elements(), base_version=st.engine_version)
+
+    def _drop_patch(self) -> None:
+        for p in (self.out / "engine").glob("patch-*"):
+            p.unlink(missing_ok=True)
 
     # --- leases, readiness, errors ------------------------------------------------------------
     def _write_lease(self, *, force: bool = False) -> None:
@@ -455,7 +494,8 @@ class Daemon:
                       model_digest=st.model_digest if st else None, updated_unix_ms=int(self._clock() * 1000),
                       engine_state=self._engine_state, engine_version=st.engine_version if st else None,
                       last_error=self._last_error, committed_unix_ms=st.committed_unix_ms if st else None,
-                      head_version=head.version if head else None)
+                      head_version=head.version if head else None, engine_update=self._engine_update,
+                      engine_verified_version=self._engine_verified)
         try:
             self.store.put(lease_key(self.config.node_id), lease.to_bytes())
             self._lease_at = now
@@ -512,6 +552,9 @@ class Daemon:
                 self._bar[1].close()
                 self._bar = None
         self._last_applied = ev
+        if self._updates:
+            st = self._state
+            self._changes.add(ev.version, ev.changes, st.engine_version if st is not None else None)
         self.keeper.on_applied(ev)
         self.metrics.fetched(ev.bytes_fetched, ev.fetch_seconds)
         self.metrics.apply_seconds.observe(ev.apply_seconds)

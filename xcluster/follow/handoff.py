@@ -39,14 +39,16 @@ from typing import Any, Protocol, TypeVar
 
 import tenacity
 
-from ..errors import ConfigError, HandoffError, TransientHandoffError
+from ..errors import ConfigError, EngineWeightsMismatchError, HandoffError, TransientHandoffError
 from ..util.retry import call_with_retries
+from .engine_update import WeightsUpdate, expected_digests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ENGINES = ("vllm", "sglang", "http", "exec")
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+ENGINE_UPDATES = ("in-place", "reload")
 #: Exit status of a hand-off command that asks to be retried (sysexits.h EX_TEMPFAIL).
 EXIT_TEMPFAIL = 75
 _TAIL = 2000  # characters of stderr / a response body kept in an error message
@@ -89,6 +91,11 @@ class HandoffResult:
     attempts: int
     """Attempts of the request that needed most (1 = everything succeeded at once)."""
     detail: str
+    method: str = "reload"
+    """How the engine got the weights: ``reload`` (from the directory), ``in-place`` (only the
+    changed elements), or ``in-place, then reload (…)`` when the in-place result did not verify."""
+    verified: bool | None = None
+    """True when the engine's workers hashed their parameters and they matched; None: not checked."""
 
 
 class Handoff(Protocol):
@@ -206,39 +213,106 @@ class _HttpEngine(_Retrying):
 
 
 # --- vLLM ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where the engine's workers hold each checkpoint tensor (``vllm_worker.layout``)."""
+
+    regions: list[list[dict]]
+    """Per worker, the regions in the order its digests come."""
+    unsupported: dict[str, str]
+    ignored: list[str]
+
+    @property
+    def in_place(self) -> bool:
+        return not self.unsupported
+
+
 class VllmHandoff(_HttpEngine):
-    """vLLM: pause, ``reload_weights`` from the directory, reset the prefix cache, resume.
+    """vLLM: pause, update the weights, reset the prefix cache, tag the version, resume; then
+    check what the engine holds.
 
     Needs ``VLLM_SERVER_DEV_MODE=1`` on the engine (the endpoints are dev-mode only). ``pause_mode``
     is vLLM's: ``keep`` freezes in-flight requests and continues them on resume, ``wait`` lets them
     finish first, ``abort`` aborts them. Resume is attempted whenever pause was sent — also when
     pause itself failed (its answer may have been lost after the engine paused) — and a resume
     that fails is reported in the error, since the engine may then stay paused.
+
+    With xcluster's worker extension in the engine (``--worker-extension-cls
+    xcluster.follow.vllm_worker.XclusterWorkerExtension``) and a :class:`WeightsUpdate` from the
+    daemon, a delta goes **in place**: only the changed elements are written into the loaded
+    parameters (``collective_rpc xcluster_apply``), O(changed) inside the pause. Otherwise — no
+    extension, a tensor the extension cannot place, a keyframe, a restart, an engine more than
+    the daemon's change log behind — the weights are reloaded from the directory
+    (``collective_rpc reload_weights``). Either way, with the extension, the workers then hash
+    their parameters (``xcluster_digests``) and the daemon compares them with the installed slot:
+    after an in-place update a mismatch (:class:`EngineWeightsMismatchError`) is repaired by a
+    reload; after a reload it fails the hand-off.
     """
 
     name = "vllm"
+    takes_updates = True
 
-    def __init__(self, url: str, *, pause_mode: str = "keep", config: HandoffConfig = HandoffConfig(),
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, url: str, *, pause_mode: str = "keep", in_place: bool = True, verify: bool = True,
+                 config: HandoffConfig = HandoffConfig(), sleep: Callable[[float], None] = time.sleep) -> None:
         if pause_mode not in VLLM_PAUSE_MODES:
             raise ConfigError(f"vLLM pause_mode must be one of {', '.join(VLLM_PAUSE_MODES)}, got {pause_mode!r}")
         super().__init__(url, config, sleep)
         self.pause_mode = pause_mode
+        self.in_place = bool(in_place)
+        self.verify = bool(verify)
+        self._layout: _Layout | None = None
+        self._layout_of_tensors: tuple | None = None
+        self.mismatches = 0
+        self._tagged = ""
+        """In-place updates whose weights did not verify (each was repaired by a reload)."""
 
-    def hand_over(self, path: Path, version: int) -> HandoffResult:
+    def hand_over(self, path: Path, version: int, update: WeightsUpdate | None = None) -> HandoffResult:
         real = _real_dir(path)
         start = self._clock()
+        layout = self._layout_for(update) if update is not None and (self.in_place or self.verify) else None
+        in_place = self.in_place and layout is not None and layout.in_place and update.patch is not None
+        if in_place:
+            method = "in-place"
+            most, pause, what = self._paused(version, lambda: self._apply(update))
+        else:
+            method = "reload"
+            most, pause, what = self._paused(version, lambda: self._reload(real))
+        verified = None
+        if self.verify and layout is not None:
+            bad = self._mismatches(layout, update)
+            if bad and in_place:
+                self.mismatches += 1
+                log.error("vLLM at %s does not hold version %d after the in-place update (%s): reloading it "
+                          "from %s", self.url, version, bad, real)
+                n, p2, what = self._paused(version, lambda: self._reload(real))
+                most, pause, method = max(most, n), pause + p2, "in-place, then reload (engine weights did not verify)"
+                bad = self._mismatches(layout, update)
+            if bad:
+                raise EngineWeightsMismatchError(
+                    f"vLLM at {self.url} reloaded {real} but its workers do not hold version {version}: {bad}")
+            verified = True
+        end = self._clock()
+        check = "" if verified is None else ", workers' weights verified"
+        return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=pause,
+                             attempts=most, method=method, verified=verified,
+                             detail=f"paused (mode={self.pause_mode}), {what}, prefix cache reset, "
+                                    f"{self._tagged}, resumed{check}")
+
+    def _paused(self, version: int, update: Callable[[], tuple[str, int]]) -> tuple[int, float, str]:
+        """Pause, ``update()``, reset the prefix cache, tag the version, resume: (most attempts,
+        seconds paused, what the update did)."""
+        t0 = self._clock()
         most = 0
         failure: BaseException | None = None
-        workers = 0
+        what = ""
         try:
             _, n = self._post_ok("/pause", params={"mode": self.pause_mode})
             most = max(most, n)
-            workers, n = self._reload(real)
+            what, n = update()
             most = max(most, n)
             _, n = self._post_ok("/reset_prefix_cache")
             most = max(most, n)
-            tagged, n = self._tag(version)
+            self._tagged, n = self._tag(version)
             most = max(most, n)
         except BaseException as exc:  # resume below, whatever went wrong, then re-raise
             failure = exc
@@ -247,16 +321,13 @@ class VllmHandoff(_HttpEngine):
             most = max(most, n)
         except HandoffError as exc:
             if failure is None:
-                raise HandoffError(f"vLLM at {self.url} reloaded {real} but did not resume ({exc}); it may "
-                                   f"stay paused: POST {self.url}/resume by hand") from exc
+                raise HandoffError(f"vLLM at {self.url} took version {version} but did not resume ({exc}); it "
+                                   f"may stay paused: POST {self.url}/resume by hand") from exc
             raise HandoffError(f"{failure}; resuming failed too ({exc}): the engine may stay paused, "
                                f"POST {self.url}/resume by hand") from failure
         if failure is not None:
             raise failure
-        end = self._clock()
-        return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=end - start,
-                             attempts=most, detail=f"paused (mode={self.pause_mode}), reloaded on {workers} "
-                                                   f"worker(s), prefix cache reset, {tagged}, resumed")
+        return most, self._clock() - t0, what
 
     def _tag(self, version: int) -> tuple[str, int]:
         """``POST /update_weight_version``: requests can then be attributed to the version (vLLM's
@@ -273,29 +344,92 @@ class VllmHandoff(_HttpEngine):
 
         return self._retry("update_weight_version", call)
 
-    def _reload(self, real: Path) -> tuple[int, int]:
-        """``collective_rpc reload_weights``; every worker's result must be free of errors."""
+    def _rpc(self, method: str, kwargs: dict, *, retry: bool = True) -> tuple[list, int]:
+        """``POST /collective_rpc``: every worker's result (none may carry an error), and attempts."""
         url = self.url + "/collective_rpc"
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(real)}}
+        body = {"method": method, "kwargs": kwargs}
 
-        def call() -> int:
+        def call() -> list:
             response = self._send("POST", url, json=body)
             if response.status_code != 200:
-                raise HandoffError(f"vLLM refused reload_weights of {real} with {response.status_code}: "
-                                   f"{_tail(response.text)}")
+                raise HandoffError(f"vLLM refused {method} with {response.status_code}: {_tail(response.text)}")
             try:
                 results = response.json()["results"]
                 if not isinstance(results, list):
                     raise TypeError("results is not a list")
             except (ValueError, KeyError, TypeError) as exc:
-                raise HandoffError(f"vLLM answered reload_weights of {real} without a results list ({exc!r}): "
+                raise HandoffError(f"vLLM answered {method} without a results list ({exc!r}): "
                                    f"{_tail(response.text)}") from None
             errors = [r for r in results if isinstance(r, dict) and r.get("error")]
             if errors:
-                raise HandoffError(f"vLLM failed to reload_weights from {real}: {_tail(json.dumps(errors))}")
-            return len(results)
+                raise HandoffError(f"vLLM failed {method}: {_tail(json.dumps(errors))}")
+            return results
 
-        return self._retry("reload_weights", call)
+        if retry:
+            return self._retry(method, call)
+        return call(), 1
+
+    def _reload(self, real: Path) -> tuple[str, int]:
+        """``collective_rpc reload_weights``; every worker's result must be free of errors."""
+        results, n = self._rpc("reload_weights", {"weights_path": str(real)})
+        return f"reloaded {real} on {len(results)} worker(s)", n
+
+    def _apply(self, update: WeightsUpdate) -> tuple[str, int]:
+        """``collective_rpc xcluster_apply``: the changed elements written into the parameters."""
+        results, n = self._rpc("xcluster_apply", {"path": str(update.patch)})
+        wrote = sum(int(r.get("written", 0)) for r in results if isinstance(r, dict))
+        return (f"{update.patch_elements} changed elements since version {update.base_version} written in place "
+                f"({wrote} parameter elements on {len(results)} worker(s))"), n
+
+    def _layout_for(self, update: WeightsUpdate) -> _Layout | None:
+        """The engine's layout for these tensors, asked once per set of tensors; None when the
+        engine has no xcluster extension (then every version is reloaded, unverified)."""
+        if update.tensors == self._layout_of_tensors:
+            return self._layout
+        self._layout_of_tensors = update.tensors
+        self._layout = None
+        try:
+            results, _ = self._rpc("xcluster_layout", {"tensors": [[n, list(s), d] for n, s, d in update.tensors]},
+                                   retry=False)
+        except HandoffError as exc:
+            log.warning("vLLM at %s has no usable xcluster worker extension (%s): every version is reloaded from "
+                        "its directory and the engine's weights are not verified; start it with "
+                        "--worker-extension-cls xcluster.follow.vllm_worker.XclusterWorkerExtension", self.url,
+                        str(exc)[:300])
+            return None
+        try:
+            regions = [list(r["regions"]) for r in results]
+            unsupported = {k: str(v) for r in results for k, v in r["unsupported"].items()}
+            ignored = sorted({n for r in results for n in r["ignored"]})
+        except (TypeError, KeyError) as exc:
+            log.warning("vLLM at %s answered xcluster_layout without a layout (%r): reloading, unverified",
+                        self.url, exc)
+            return None
+        self._layout = _Layout(regions=regions, unsupported=unsupported, ignored=ignored)
+        if unsupported:
+            name, why = next(iter(unsupported.items()))
+            log.warning("vLLM at %s: %d tensor(s) cannot be updated in place (%s: %s, …): every version is "
+                        "reloaded, then verified", self.url, len(unsupported), name, why)
+        if ignored:
+            log.info("vLLM at %s does not load %d tensor(s) of the checkpoint (%s, …; tied or unused)", self.url,
+                     len(ignored), ignored[0])
+        return self._layout
+
+    def _mismatches(self, layout: _Layout, update: WeightsUpdate) -> str:
+        """The workers' digests against the installed slot's: '' when all agree, else which differ."""
+        got, _ = self._rpc("xcluster_digests", {})
+        if len(got) != len(layout.regions):
+            return f"{len(got)} worker(s) answered, the layout has {len(layout.regions)}"
+        bad = []
+        for rank, (regions, digests) in enumerate(zip(layout.regions, got)):
+            want = expected_digests(regions, update.weights)
+            if not isinstance(digests, list) or len(digests) != len(want):
+                return f"worker {rank} answered {len(digests) if isinstance(digests, list) else digests!r} digests"
+            bad += [f"{r['tensor']} in {r['param']} (worker {rank})" for r, a, b in zip(regions, digests, want)
+                    if a != b]
+        if not bad:
+            return ""
+        return f"{len(bad)} region(s) differ: " + ", ".join(bad[:5]) + (" …" if len(bad) > 5 else "")
 
 
 # --- SGLang --------------------------------------------------------------------------------------
@@ -485,14 +619,16 @@ class CallbackHandoff(_Retrying):
 
 
 def make_handoff(engine: str, *, url: str | None = None, body: str | None = None,
-                 exec_cmd: Sequence[str] | None = None, pause_mode: str = "keep",
+                 exec_cmd: Sequence[str] | None = None, pause_mode: str = "keep", engine_update: str = "in-place",
                  config: HandoffConfig = HandoffConfig()) -> Handoff:
     """Build the preset for ``engine`` (``vllm``, ``sglang``, ``http``, ``exec``) from CLI-style values;
     ``exec_cmd`` may be one string, split like a shell would (no shell runs it)."""
     if engine in ("vllm", "sglang", "http") and not url:
         raise ConfigError(f"engine {engine!r} needs an engine URL (--engine-url)")
+    if engine_update not in ENGINE_UPDATES:
+        raise ConfigError(f"engine_update must be one of {', '.join(ENGINE_UPDATES)}, got {engine_update!r}")
     if engine == "vllm":
-        return VllmHandoff(url, pause_mode=pause_mode, config=config)
+        return VllmHandoff(url, pause_mode=pause_mode, in_place=engine_update == "in-place", config=config)
     if engine == "sglang":
         return SglangHandoff(url, config=config)
     if engine == "http":

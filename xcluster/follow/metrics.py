@@ -26,6 +26,10 @@ xcluster_handoff_failures_total                 counter    hand-offs that raised
 xcluster_errors_total{type}                     counter    errors by exception class name
 xcluster_versions_applied_total                 counter    versions applied
 xcluster_handoffs_total                         counter    successful hand-offs
+xcluster_engine_updates_total{method}           counter    successful hand-offs by how the engine got the
+                                                           weights: in-place, reload, in-place-then-reload
+xcluster_engine_verified_total{result}          counter    engine weight checks (its workers' hashes against
+                                                           the slot): match / mismatch
 xcluster_daemon_info{…}                         info       source, engine, out dir, xcluster version
 xcluster_engine_state{xcluster_engine_state}    stateset   unknown / loading / serving / failed
                                                            (1 on the current state)
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineWeightsMismatchError
 
 if TYPE_CHECKING:
     from .handoff import HandoffResult
@@ -101,6 +105,10 @@ class DaemonMetrics:
         self.errors = Counter("xcluster_errors", "Errors by exception class.", ["type"], registry=reg)
         self.versions_applied = Counter("xcluster_versions_applied", "Versions applied.", registry=reg)
         self.handoffs = Counter("xcluster_handoffs", "Successful hand-offs.", registry=reg)
+        self.engine_updates = Counter("xcluster_engine_updates", "Successful hand-offs by how the engine got the "
+                                      "weights (in-place, reload, in-place-then-reload).", ["method"], registry=reg)
+        self.engine_verified = Counter("xcluster_engine_verified", "Checks of the engine's loaded weights against "
+                                       "the installed slot, by result (match, mismatch).", ["result"], registry=reg)
         self.checkpoints_written = Counter("xcluster_checkpoints_written",
                                            "Checkpoints this node wrote into the store it follows.", registry=reg)
         self.info = Info("xcluster_daemon", "What this daemon follows and feeds.", registry=reg)
@@ -135,6 +143,12 @@ class DaemonMetrics:
         """Record a successful hand-off (its retries count under operation="handoff")."""
         self.handoffs.inc()
         self.handoff_seconds.observe(result.seconds)
+        method = result.method if result.method in ("in-place", "reload") else "in-place-then-reload"
+        self.engine_updates.labels(method=method).inc()
+        if method == "in-place-then-reload":
+            self.engine_verified.labels(result="mismatch").inc()
+        if result.verified:
+            self.engine_verified.labels(result="match").inc()
         if result.pause_seconds is not None:
             self.engine_pause_seconds.observe(result.pause_seconds)
         if result.attempts > 1:
@@ -143,6 +157,8 @@ class DaemonMetrics:
 
     def handoff_failed(self, exc: BaseException) -> None:
         self.handoff_failures.inc()
+        if isinstance(exc, EngineWeightsMismatchError):
+            self.engine_verified.labels(result="mismatch").inc()
         self.error(exc)
         self.engine_state.state("failed")
 

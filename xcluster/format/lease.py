@@ -34,6 +34,12 @@ class Lease:
     """HEAD's commit time of the applied version (for staleness)."""
     head_version: int | None = None
     """The newest HEAD this subscriber has seen."""
+    engine_update: str | None = None
+    """How the engine got ``engine_version``: ``in-place`` (the changed elements only) or
+    ``reload`` (from the model directory; also after an in-place update that did not verify)."""
+    engine_verified_version: int | None = None
+    """The version the engine's workers proved by hashing their loaded parameters (None: not
+    checked, e.g. an engine without xcluster's extension)."""
 
     def to_bytes(self) -> bytes:
         return canonical_json({
@@ -42,10 +48,12 @@ class Lease:
             "updated_unix_ms": self.updated_unix_ms, "engine_state": self.engine_state,
             "engine_version": self.engine_version,
             "last_error": None if self.last_error is None else self.last_error[:2000],
-            "committed_unix_ms": self.committed_unix_ms, "head_version": self.head_version})
+            "committed_unix_ms": self.committed_unix_ms, "head_version": self.head_version,
+            "engine_update": self.engine_update, "engine_verified_version": self.engine_verified_version})
 
 
 ENGINE_STATES = ("none", "ok", "pending", "failing")
+ENGINE_UPDATES = ("in-place", "reload")
 
 
 def parse_lease(data: bytes, *, where: str = "lease") -> Lease:
@@ -61,4 +69,6 @@ def parse_lease(data: bytes, *, where: str = "lease") -> Lease:
                  engine_state=_str(obj, "engine_state", where, choices=ENGINE_STATES),
                  engine_version=_int(obj, "engine_version", where, lo=1, null=True),
                  last_error=err, committed_unix_ms=_int(obj, "committed_unix_ms", where, null=True),
-                 head_version=_int(obj, "head_version", where, lo=1, null=True))
+                 head_version=_int(obj, "head_version", where, lo=1, null=True),
+                 engine_update=_str(obj, "engine_update", where, choices=ENGINE_UPDATES, null=True),
+                 engine_verified_version=_int(obj, "engine_verified_version", where, lo=1, null=True))
