@@ -119,4 +119,6 @@ def test_daemon_hands_each_version_to_a_real_vllm_bit_exactly(tmp_path):
     lines = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.startswith("{")]
     took = [ln["message"] for ln in lines if ln["message"].startswith("engine took version")]
     assert len(took) >= 3 and all("engine paused" in m for m in took)
+    # an engine without xcluster's worker extension is reloaded each version (test_vllm_inplace: with it)
+    assert all(m.endswith("(reload)") for m in took)
     print("\n".join(took))

@@ -118,9 +118,63 @@ def _has_index(path: str) -> bool:
     return (Path(path) / "model.safetensors.index.json").is_file()
 
 
-def vllm_stand_in(workers: int = 2) -> EngineStub:
-    """vLLM's dev-mode weight-reload endpoints; ``state`` holds paused/loaded as the engine would."""
+class StandInWorker:
+    """One tensor-parallel worker of :func:`vllm_stand_in` with ``params``: it holds rows
+    ``[rank·n/W, (rank+1)·n/W)`` of every 2-D tensor whose rows divide evenly, the whole of the others."""
+
+    def __init__(self, rank: int, workers: int) -> None:
+        self.rank, self.workers = rank, workers
+        self.params: dict[str, Any] = {}
+
+    def rows(self, shape) -> tuple[int, int]:
+        n = shape[0] if len(shape) else 1
+        if len(shape) != 2 or n % self.workers:
+            return 0, n
+        return self.rank * n // self.workers, (self.rank + 1) * n // self.workers
+
+    def load(self, weights: dict) -> None:
+        self.params = {name: t[slice(*self.rows(tuple(t.shape)))].clone() for name, t in weights.items()}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def layout(self, tensors: list) -> dict:
+        import math
+
+        regions = []
+        for name, shape, _ in tensors:
+            width = math.prod(shape[1:]) if len(shape) > 1 else 1
+            r0, r1 = self.rows(tuple(shape))
+            regions.append({"tensor": name, "param": name, "rows": [r0, r1], "cols": [0, width], "at": [0, 0],
+                            "width": width})
+        self.regions = regions
+        return {"regions": regions, "ignored": [], "unsupported": {}, "rank": self.rank, "digest": "blake2b-128"}
+
+
+def _read_dir(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def vllm_stand_in(workers: int = 2, params: dict | None = None) -> EngineStub:
+    """vLLM's dev-mode weight-reload endpoints; ``state`` holds paused/loaded as the engine would.
+
+    With ``params`` (the weights it starts with, by checkpoint name) it also has xcluster's worker
+    extension, over ``workers`` :class:`StandInWorker` (``state["workers"]``) that really hold
+    their slices: ``xcluster_layout``, ``xcluster_apply`` and ``xcluster_digests`` run the
+    extension's own code on them, ``reload_weights`` reads the directory's safetensors. A method a
+    worker lacks answers 500, as vLLM does."""
+    from xcluster.follow import vllm_worker
+
     state: dict[str, Any] = {"paused": False, "loaded": None, "weight_version": None}
+    pool = [StandInWorker(rank, workers) for rank in range(workers)]
+    if params is not None:
+        for w in pool:
+            w.load(params)
 
     def reply(call: Call) -> tuple[int, Any]:
         if call.path == "/pause" and call.method == "POST":
@@ -144,17 +198,29 @@ def vllm_stand_in(workers: int = 2) -> EngineStub:
         if call.path == "/collective_rpc" and call.method == "POST":
             if not isinstance(call.body, dict) or "method" not in call.body:
                 return 400, {"detail": "Missing 'method' in request body"}
-            if call.body["method"] != "reload_weights":
-                return 200, {"results": [None] * workers}
-            path = call.body.get("kwargs", {}).get("weights_path", "")
+            method, kwargs = call.body["method"], call.body.get("kwargs", {})
+            if params is not None and method == "xcluster_layout":
+                return 200, {"results": [w.layout(kwargs["tensors"]) for w in pool]}
+            if params is not None and method == "xcluster_apply":
+                return 200, {"results": [vllm_worker.apply_patch(w, w.regions, kwargs["path"]) for w in pool]}
+            if params is not None and method == "xcluster_digests":
+                return 200, {"results": [vllm_worker.digests(w, w.regions) for w in pool]}
+            if method != "reload_weights":
+                return 500, {"error": {"message": f"Call to collective_rpc method failed: Worker failed with "
+                                                  f"error ''CPUWorker' object has no attribute '{method}''"}}
+            path = kwargs.get("weights_path", "")
             if not _has_index(path):
                 return 200, {"results": [{"error": f"no weights at {path}"}] * workers}
             state["loaded"] = path
+            if params is not None:
+                for w in pool:
+                    w.load(_read_dir(path))
             return 200, {"results": [None] * workers}
         return 404, {"detail": "Not Found"}
 
     stub = EngineStub(reply)
     stub.state = state  # type: ignore[attr-defined]
+    stub.workers = pool  # type: ignore[attr-defined]
     return stub
 
 

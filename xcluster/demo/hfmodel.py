@@ -32,6 +32,8 @@ __all__ = ["HFModelConfig", "PRESETS", "build_model", "build_tokenizer", "write_
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 INDEX_NAME = "model.safetensors.index.json"
+TIED_HEAD = "lm_head.weight"
+"""The head of a tied model: the input embedding under another name, not written to the directory."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -56,6 +58,9 @@ class HFModelConfig:
     """Longest context the rotary embedding is configured for."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head: the directory then holds no ``lm_head.weight``
+    (as transformers saves a tied model)."""
     initializer_range: float = 0.02
     """Std of the normal init of every matrix (norms start at one)."""
     max_shard_bytes: int = 4 * 1024 * 1024
@@ -80,7 +85,8 @@ class HFModelConfig:
             raise ConfigError("HFModelConfig.initializer_range and rope_theta must be > 0")
 
     def llama_config(self) -> LlamaConfig:
-        """The transformers config: bf16, untied head (every weight its own tensor), bos/eos/pad ids."""
+        """The transformers config: bf16, the head untied unless asked (then every weight is its own
+        tensor), bos/eos/pad ids."""
         from transformers import LlamaConfig
 
         return LlamaConfig(
@@ -90,7 +96,7 @@ class HFModelConfig:
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta, initializer_range=self.initializer_range,
-            tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1,
+            tie_word_embeddings=self.tie_word_embeddings, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1,
             pad_token_id=2)
 
 
@@ -179,7 +185,8 @@ def weight_shapes(config: HFModelConfig) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config.llama_config())
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()
+            if not (config.tie_word_embeddings and name == TIED_HEAD)}
 
 
 def _checked_bf16(config: HFModelConfig, weights: Any) -> dict[str, torch.Tensor]:
@@ -189,6 +196,8 @@ def _checked_bf16(config: HFModelConfig, weights: Any) -> dict[str, torch.Tensor
     state = weights.state_dict() if hasattr(weights, "state_dict") else weights
     if not isinstance(state, Mapping):
         raise ConfigError(f"write_model_dir needs a model or a state dict, got {type(weights).__name__}")
+    if config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != TIED_HEAD}  # the embedding's other name
     expected = weight_shapes(config)
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
