@@ -146,7 +146,7 @@ class StandInWorker:
             width = math.prod(shape[1:]) if len(shape) > 1 else 1
             r0, r1 = self.rows(tuple(shape))
             regions.append({"tensor": name, "param": name, "rows": [r0, r1], "cols": [0, width], "at": [0, 0],
-                            "width": width})
+                            "width": width, "nrows": shape[0] if shape else 1})
         self.regions = regions
         return {"regions": regions, "ignored": [], "unsupported": {}, "rank": self.rank, "digest": "blake2b-128"}
 

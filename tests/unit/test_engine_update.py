@@ -97,7 +97,8 @@ def test_patch_file_holds_the_positions_and_the_slot_values(tmp_path):
 # --- the engine side, on a model outside vLLM ----------------------------------------------------
 class Toy(torch.nn.Module):
     """Fuses q/k/v into one parameter (rows 0–7, 8–11, 12–15) as vLLM does, loads ``t`` transposed
-    (not a shifted rectangle) and skips ``skip`` (as a tied head is skipped)."""
+    (not a shifted rectangle), holds columns 4–7 of ``o`` (as one tensor-parallel rank of a
+    row-parallel layer) and skips ``skip`` (as a tied head is skipped)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +106,7 @@ class Toy(torch.nn.Module):
         self.qkv.weight_loader = self._qkv
         self.norm = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16), requires_grad=False)
         self.t = torch.nn.Parameter(torch.zeros(4, 5, dtype=torch.bfloat16), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16), requires_grad=False)
 
     @staticmethod
     def _qkv(param, loaded, shard):
@@ -119,13 +121,15 @@ class Toy(torch.nn.Module):
                 getattr(self.norm, "weight_loader", _copy)(self.norm, w)
             elif name == "t":
                 getattr(self.t, "weight_loader", _copy)(self.t, w.t())
+            elif name == "o":  # the second half of the columns, as rank 1 of a row-parallel layer holds
+                getattr(self.o, "weight_loader", _copy)(self.o, w[:, 4:])
 
 
 def _copy(param, loaded):
     param.data.copy_(loaded)
 
 
-CKPT = {"q": (8, 6), "k": (4, 6), "v": (4, 6), "norm": (6,), "t": (5, 4), "skip": (3,)}
+CKPT = {"q": (8, 6), "k": (4, 6), "v": (4, 6), "norm": (6,), "t": (5, 4), "o": (4, 8), "skip": (3,)}
 
 
 def test_layout_probes_the_models_own_loader_without_touching_its_weights():
@@ -134,7 +138,8 @@ def test_layout_probes_the_models_own_loader_without_touching_its_weights():
     lay = vllm_worker.layout(toy, [(n, list(s), "bfloat16") for n, s in CKPT.items()])
     assert {r["tensor"]: (r["param"], r["rows"], r["cols"], r["at"]) for r in lay["regions"]} == {
         "q": ("qkv", [0, 8], [0, 6], [0, 0]), "k": ("qkv", [0, 4], [0, 6], [8, 0]),
-        "v": ("qkv", [0, 4], [0, 6], [12, 0]), "norm": ("norm", [0, 6], [0, 1], [0, 0])}
+        "v": ("qkv", [0, 4], [0, 6], [12, 0]), "norm": ("norm", [0, 6], [0, 1], [0, 0]),
+        "o": ("o", [0, 4], [4, 8], [0, 0])}
     assert lay["ignored"] == ["skip"] and list(lay["unsupported"]) == ["t"]
     assert all(torch.equal(before[n], p) for n, p in toy.named_parameters())
     assert not hasattr(toy.norm, "weight_loader") and toy.qkv.weight_loader == Toy._qkv  # loaders restored
@@ -144,21 +149,22 @@ def test_layout_probes_the_models_own_loader_without_touching_its_weights():
 
 def test_apply_and_digests_round_trip_through_fused_regions(tmp_path):
     toy = Toy()
-    ckpt = {n: torch.randn(s).to(torch.bfloat16) for n, s in CKPT.items() if n in "qkv norm"}
+    ckpt = {n: torch.randn(s).to(torch.bfloat16) for n, s in CKPT.items() if n in ("q", "k", "v", "norm", "o")}
     toy.load_weights(ckpt.items())
     lay = vllm_worker.layout(toy, [(n, list(t.shape), "bfloat16") for n, t in ckpt.items()])
-    for r in lay["regions"]:
-        r["width"] = int(np.prod(CKPT[r["tensor"]][1:])) if len(CKPT[r["tensor"]]) > 1 else 1
     assert vllm_worker.digests(toy, lay["regions"]) == expected_digests(lay["regions"], ckpt)
     new = {n: t.clone() for n, t in ckpt.items()}
-    pos = {"k": np.array([0, 7, 23], np.int64), "norm": np.array([5], np.int64)}
+    # k: whole rows of a fused parameter; o: held columns 4-7 only (3 and 8+3 are another rank's)
+    pos = {"k": np.array([0, 7, 23], np.int64), "norm": np.array([5], np.int64),
+           "o": np.array([3, 4, 11, 31], np.int64)}
     for n, p in pos.items():
         new[n].view(-1)[p] += 1
     write_patch(tmp_path / "p.safetensors", new, pos)
     got = vllm_worker.apply_patch(toy, lay["regions"], str(tmp_path / "p.safetensors"))
-    assert got == {"elements": 4, "written": 4}
+    assert (got["elements"], got["written"]) == (8, 6)
     assert vllm_worker.digests(toy, lay["regions"]) == expected_digests(lay["regions"], new)
     assert torch.equal(toy.qkv[8:12], new["k"]) and torch.equal(toy.qkv[:8], ckpt["q"])
+    assert torch.equal(toy.o, new["o"][:, 4:])
 
 
 # --- VllmHandoff against a stand-in with the extension -------------------------------------------

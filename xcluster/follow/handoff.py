@@ -8,10 +8,13 @@ the engine reads exactly the version it is told about even if ``current`` moves 
 Presets:
 
 * :class:`VllmHandoff` — vLLM's dev-mode endpoints (the engine needs ``VLLM_SERVER_DEV_MODE=1``):
-  ``POST /pause?mode=…``, ``POST /collective_rpc`` with ``reload_weights``, ``POST
-  /reset_prefix_cache``, ``POST /update_weight_version`` (the engine then reports the xcluster
-  version it serves: ``GET /weight_info``), ``POST /resume``. Resume is always attempted once pause was sent, even
-  when the reload fails, so a failed hand-off never leaves the engine paused silently.
+  ``POST /pause?mode=…``, ``POST /collective_rpc`` with ``reload_weights`` — or, with xcluster's
+  worker extension in the engine (``vllm_worker.py``), ``xcluster_apply``: only the changed
+  elements, in place — ``POST /reset_prefix_cache``, ``POST /update_weight_version`` (the engine
+  then reports the xcluster version it serves: ``GET /weight_info``), ``POST /resume``; then, with
+  the extension, the engine's own hashes of its parameters are checked against the slot. Resume
+  is always attempted once pause was sent, even when the update fails, so a failed hand-off never
+  leaves the engine paused silently.
 * :class:`SglangHandoff` — SGLang's ``POST /update_weights_from_disk``.
 * :class:`HttpHandoff` — any HTTP endpoint, with a JSON body template.
 * :class:`ExecHandoff` — run a command with ``XCLUSTER_MODEL_DIR`` and ``XCLUSTER_VERSION`` set.
@@ -96,10 +99,15 @@ class HandoffResult:
     changed elements), or ``in-place, then reload (…)`` when the in-place result did not verify."""
     verified: bool | None = None
     """True when the engine's workers hashed their parameters and they matched; None: not checked."""
+    update_seconds: float | None = None
+    """vLLM: the weight update inside the pause (the in-place write or the reload), as the daemon
+    timed its request."""
 
 
 class Handoff(Protocol):
-    """Something that makes an engine serve a model directory."""
+    """Something that makes an engine serve a model directory. A preset whose ``takes_updates``
+    is true (:class:`VllmHandoff`) is also passed ``update=`` (:class:`WeightsUpdate`): the
+    installed tensors and what changed since the engine's version."""
 
     name: str
 
@@ -264,6 +272,7 @@ class VllmHandoff(_HttpEngine):
         self._layout_of_tensors: tuple | None = None
         self.mismatches = 0
         self._tagged = ""
+        self._update_s: float | None = None
         """In-place updates whose weights did not verify (each was repaired by a reload)."""
 
     def hand_over(self, path: Path, version: int, update: WeightsUpdate | None = None) -> HandoffResult:
@@ -294,13 +303,13 @@ class VllmHandoff(_HttpEngine):
         end = self._clock()
         check = "" if verified is None else ", workers' weights verified"
         return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=pause,
-                             attempts=most, method=method, verified=verified,
+                             attempts=most, method=method, verified=verified, update_seconds=self._update_s,
                              detail=f"paused (mode={self.pause_mode}), {what}, prefix cache reset, "
                                     f"{self._tagged}, resumed{check}")
 
     def _paused(self, version: int, update: Callable[[], tuple[str, int]]) -> tuple[int, float, str]:
         """Pause, ``update()``, reset the prefix cache, tag the version, resume: (most attempts,
-        seconds paused, what the update did)."""
+        seconds paused, what the update did); ``update()``'s own seconds go to ``_update_s``."""
         t0 = self._clock()
         most = 0
         failure: BaseException | None = None
@@ -308,7 +317,9 @@ class VllmHandoff(_HttpEngine):
         try:
             _, n = self._post_ok("/pause", params={"mode": self.pause_mode})
             most = max(most, n)
+            t1 = self._clock()
             what, n = update()
+            self._update_s = self._clock() - t1
             most = max(most, n)
             _, n = self._post_ok("/reset_prefix_cache")
             most = max(most, n)
@@ -416,13 +427,19 @@ class VllmHandoff(_HttpEngine):
         return self._layout
 
     def _mismatches(self, layout: _Layout, update: WeightsUpdate) -> str:
-        """The workers' digests against the installed slot's: '' when all agree, else which differ."""
-        got, _ = self._rpc("xcluster_digests", {})
+        """The workers' digests against the installed slot's: '' when all agree, else which differ.
+        The slot is hashed on a thread of its own while the workers hash theirs (hashlib lets go of
+        the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="xc-engine-digests") as pool:
+            wanted = [pool.submit(expected_digests, regions, update.weights) for regions in layout.regions]
+            got, _ = self._rpc("xcluster_digests", {})
+            wants = [f.result() for f in wanted]
         if len(got) != len(layout.regions):
             return f"{len(got)} worker(s) answered, the layout has {len(layout.regions)}"
         bad = []
-        for rank, (regions, digests) in enumerate(zip(layout.regions, got)):
-            want = expected_digests(regions, update.weights)
+        for rank, (regions, digests, want) in enumerate(zip(layout.regions, got, wants)):
             if not isinstance(digests, list) or len(digests) != len(want):
                 return f"worker {rank} answered {len(digests) if isinstance(digests, list) else digests!r} digests"
             bad += [f"{r['tensor']} in {r['param']} (worker {rank})" for r, a, b in zip(regions, digests, want)

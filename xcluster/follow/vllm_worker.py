@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -206,7 +207,9 @@ def layout(model: torch.nn.Module, tensors: Iterable[tuple[str, list[int], str]]
                 if not p.is_contiguous():
                     raise Unsupported(f"{pname} is not contiguous")
                 rows, cols, at = _rectangle(as_2d(probes[0]), as_2d(probes[1]), f"{name} → {pname}")
-                regions.append({"tensor": name, "param": pname, "rows": rows, "cols": cols, "at": at})
+                # with the checkpoint tensor's 2-D view: its row count and width
+                regions.append({"tensor": name, "param": pname, "rows": rows, "cols": cols, "at": at,
+                                "nrows": shape[0] if shape else 1, "width": math.prod(shape[1:])})
         except Unsupported as exc:
             unsupported[name] = str(exc)
         except Exception as exc:  # noqa: BLE001 - a loader that rejects a probe: reload that model
@@ -223,6 +226,7 @@ def apply_patch(model: torch.nn.Module, regions: list[dict], path: str) -> dict:
     for r in regions:
         by_tensor.setdefault(r["tensor"], []).append(r)
     elements = written = 0
+    t0 = time.perf_counter()
     with torch.no_grad(), safe_open(path, framework="pt") as f:
         names = {k.rsplit(":", 1)[0] for k in f.keys()}
         for name in sorted(names):
@@ -233,16 +237,25 @@ def apply_patch(model: torch.nn.Module, regions: list[dict], path: str) -> dict:
                 p = params[r["param"]]
                 p2d = as_2d(p.data)
                 width = r["width"]
-                row, col = idx // width, idx % width
                 (r0, r1), (c0, c1), (pr0, pc0) = r["rows"], r["cols"], r["at"]
-                keep = (row >= r0) & (row < r1) & (col >= c0) & (col < c1)
-                if not bool(keep.any()):
+                if c0 == 0 and c1 == width == p2d.shape[1]:  # whole rows: a shifted run of elements
+                    lo, hi = r0 * width, r1 * width
+                    if r0 == 0 and r1 == r.get("nrows", -1):
+                        sel, v = idx, val  # the region is the whole tensor: every position falls inside
+                    else:
+                        keep = (idx >= lo) & (idx < hi)
+                        sel, v = idx[keep], val[keep]
+                    flat = sel + (pr0 * width - lo) if pr0 * width != lo else sel
+                else:
+                    row, col = idx // width, idx % width
+                    keep = (row >= r0) & (row < r1) & (col >= c0) & (col < c1)
+                    flat = (row[keep] - r0 + pr0) * p2d.shape[1] + (col[keep] - c0 + pc0)
+                    v = val[keep]
+                if not flat.numel():
                     continue
-                flat = (row[keep] - r0 + pr0) * p2d.shape[1] + (col[keep] - c0 + pc0)
-                v = val[keep].to(device=p.device, dtype=p.dtype)
-                p2d.view(-1)[flat.to(p.device)] = v
-                written += int(keep.sum())
-    return {"elements": elements, "written": written}
+                p2d.view(-1)[flat.to(p.device)] = v.to(device=p.device, dtype=p.dtype)
+                written += int(flat.numel())
+    return {"elements": elements, "written": written, "seconds": round(time.perf_counter() - t0, 6)}
 
 
 def digests(model: torch.nn.Module, regions: list[dict]) -> list[str]:
@@ -266,9 +279,6 @@ class XclusterWorkerExtension:
         """Learn (and keep) where each checkpoint tensor ``[name, shape, dtype]`` lands; returns
         the layout (module docstring) with this worker's ``rank``."""
         out = layout(self._xc_model(), [(n, s, d) for n, s, d in tensors])
-        widths = {n: (math.prod(s[1:]) if len(s) > 1 else 1) for n, s, _ in tensors}
-        for r in out["regions"]:
-            r["width"] = widths[r["tensor"]]
         self._xc_regions = out["regions"]
         out["rank"] = int(getattr(self, "rank", 0))
         out["digest"] = DIGEST
