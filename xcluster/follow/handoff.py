@@ -299,9 +299,12 @@ class VllmHandoff(_HttpEngine):
             if bad:
                 raise EngineWeightsMismatchError(
                     f"vLLM at {self.url} reloaded {real} but its workers do not hold version {version}: {bad}")
-            verified = True
+            # proven only if every tensor the engine loads was checked
+            verified = True if layout.in_place else None
         end = self._clock()
-        check = "" if verified is None else ", workers' weights verified"
+        check = ", workers' weights verified" if verified else \
+            "" if layout is None or not self.verify else \
+            f", the {len(layout.unsupported)} tensor(s) it cannot place not verified (the rest matched)"
         return HandoffResult(version=version, path=str(real), seconds=end - start, pause_seconds=pause,
                              attempts=most, method=method, verified=verified, update_seconds=self._update_s,
                              detail=f"paused (mode={self.pause_mode}), {what}, prefix cache reset, "

@@ -164,7 +164,10 @@ class _Recorder:
                 p.weight_loader = old
 
     def _wrap(self, real):
-        def loader(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs):
+        def loader(*args, **kwargs):  # loaders differ: (param, loaded_weight, shard_id | expert_id=…, …)
+            args = list(args)
+            param = args.pop(0) if args else kwargs.pop("param")
+            loaded = args.pop(0) if args else kwargs.pop("loaded_weight")
             name = self.names.get(id(param))
             if name is None or not isinstance(param, torch.nn.Parameter):
                 raise Unsupported(f"a loader wrote into {type(param).__name__} {name or '(not a parameter)'}")
