@@ -245,8 +245,10 @@ def test_without_a_patch_or_the_extension_the_engine_reloads(versions):
 
 
 # --- the daemon ----------------------------------------------------------------------------------
-def test_the_daemon_reloads_first_then_updates_in_place_and_says_so_in_its_lease(tmp_path):
+@pytest.mark.parametrize("slots", [2, 1])
+def test_the_daemon_reloads_first_then_updates_in_place_and_says_so_in_its_lease(tmp_path, slots):
     from xcluster.follow.daemon import Daemon, DaemonConfig
+    from xcluster.follow.slots import SlotsConfig
     from xcluster.format import parse_lease
 
     store = LocalStore(tmp_path / "store", fsync=False)
@@ -254,7 +256,8 @@ def test_the_daemon_reloads_first_then_updates_in_place_and_says_so_in_its_lease
     out = tmp_path / "out"
     versions = [make_weights(s, shapes=SHAPES, changed=4, pick="randint") for s in range(5)]
     with vllm_stand_in(workers=2, params=make_weights(0, shapes=SHAPES, seed=9)) as engine:
-        d = Daemon(store=store, config=DaemonConfig(out=out, lease_every_s=0.001, warm_up=False, node_id="n0"),
+        d = Daemon(store=store, config=DaemonConfig(out=out, lease_every_s=0.001, warm_up=False, node_id="n0",
+                                                    slots=SlotsConfig(slots=slots)),
                    handoff=VllmHandoff(engine.url, config=FAST))
         methods = []
         for s, w in enumerate(versions):  # versions 1 (keyframe), 2, 3, 4 (keyframe: every 3), 5
@@ -273,7 +276,8 @@ def test_the_daemon_reloads_first_then_updates_in_place_and_says_so_in_its_lease
         assert m.get_sample_value("xcluster_engine_verified_total", {"result": "match"}) == 5
         # a daemon restarted under an engine that holds its version: the next delta goes in place
         del d
-        d = Daemon(store=store, config=DaemonConfig(out=out, lease_every_s=0, warm_up=False, node_id="n0"),
+        d = Daemon(store=store, config=DaemonConfig(out=out, lease_every_s=0, warm_up=False, node_id="n0",
+                                                    slots=SlotsConfig(slots=slots)),
                    handoff=VllmHandoff(engine.url, config=FAST))
         d.resume()
         pub.publish(make_weights(5, shapes=SHAPES, changed=4, pick="randint"), files={"config.json": b"{}"})
