@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .vllm_worker import as_2d, region_digest
+from .vllm_worker import as_2d, hashed
 
 INT32_LIMIT = 1 << 31
 
@@ -88,7 +88,7 @@ def write_patch(path: Path, weights: Mapping[str, torch.Tensor], positions: Mapp
 
 def expected_digests(regions: Sequence[Mapping], weights: Mapping[str, torch.Tensor]) -> list[str]:
     """The digest the engine must report for each of ``regions``, from the installed weights."""
-    return [region_digest(as_2d(weights[r["tensor"]]), tuple(r["rows"]), tuple(r["cols"])) for r in regions]
+    return hashed([(as_2d(weights[r["tensor"]]), tuple(r["rows"]), tuple(r["cols"])) for r in regions])
 
 
 @dataclass(frozen=True, slots=True)

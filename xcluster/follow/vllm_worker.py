@@ -58,7 +58,22 @@ def region_digest(t2d: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int
     """BLAKE2b-128 (hex) of ``t2d[rows, cols]`` as contiguous bytes: the daemon and the engine
     hash the same rectangle the same way."""
     part = t2d[rows[0]:rows[1], cols[0]:cols[1]].detach().contiguous().cpu()
-    return hashlib.blake2b(part.view(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    # hashlib reads the buffer in place (no copy) and lets go of the GIL while it hashes
+    return hashlib.blake2b(part.view(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+
+
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Regions hashed at once (hashlib hashes outside the GIL)."""
+
+
+def hashed(jobs: list[tuple[torch.Tensor, tuple[int, int], tuple[int, int]]]) -> list[str]:
+    """:func:`region_digest` of each ``(t2d, rows, cols)``, in order, on :data:`HASH_THREADS` threads."""
+    if len(jobs) < 2 or HASH_THREADS == 1:
+        return [region_digest(*j) for j in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="xc-hash") as pool:
+        return list(pool.map(lambda j: region_digest(*j), jobs))
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -264,12 +279,11 @@ def apply_patch(model: torch.nn.Module, regions: list[dict], path: str) -> dict:
 def digests(model: torch.nn.Module, regions: list[dict]) -> list[str]:
     """BLAKE2b-128 of each region's rectangle of the parameters, in the order of ``regions``."""
     params = dict(model.named_parameters())
-    out = []
+    jobs = []
     for r in regions:
         (pr0, pc0), (r0, r1), (c0, c1) = r["at"], r["rows"], r["cols"]
-        out.append(region_digest(as_2d(params[r["param"]].data),
-                                 (pr0, pr0 + r1 - r0), (pc0, pc0 + c1 - c0)))
-    return out
+        jobs.append((as_2d(params[r["param"]].data), (pr0, pr0 + r1 - r0), (pc0, pc0 + c1 - c0)))
+    return hashed(jobs)
 
 
 class XclusterWorkerExtension:
