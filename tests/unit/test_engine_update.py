@@ -283,3 +283,21 @@ def test_the_daemon_reloads_first_then_updates_in_place_and_says_so_in_its_lease
         pub.publish(make_weights(5, shapes=SHAPES, changed=4, pick="randint"), files={"config.json": b"{}"})
         assert d.step() and d.state.engine_version == 6
         assert "xcluster_apply" in [c.body["method"] for c in engine.calls if c.path == "/collective_rpc"]
+
+
+def test_no_patch_is_written_for_an_engine_that_cannot_use_one(tmp_path, monkeypatch):
+    import xcluster.follow.daemon as daemon_mod
+    from xcluster.follow.daemon import Daemon, DaemonConfig
+
+    store = LocalStore(tmp_path / "store", fsync=False)
+    pub = Publisher(store=store, config=PublisherConfig(keyframe_every=50))
+    with vllm_stand_in(workers=1) as engine:  # no extension: every version reloads
+        h = VllmHandoff(engine.url, config=FAST)
+        d = Daemon(store=store, config=DaemonConfig(out=tmp_path / "out", lease_every_s=0, warm_up=False),
+                   handoff=h)
+        written = []
+        monkeypatch.setattr(daemon_mod, "write_patch", lambda path, *a: written.append(path) or write_patch(path, *a))
+        for s in range(3):
+            pub.publish(make_weights(s, shapes=SHAPES, changed=4), files={"config.json": b"{}"})
+            assert d.step() and d.state.engine_version == s + 1
+        assert not h.wants_patch and written == []

@@ -470,7 +470,8 @@ class Daemon:
             m = parse_manifest(self.states.manifest(st.version, st.manifest_xxh3_128), where="installed manifest")
             self._tensors = (st.manifest_xxh3_128, tuple((t.name, tuple(t.shape), t.dtype) for t in m.tensors))
         patch = None
-        if self._changes.covers(st.engine_version, st.version):
+        self._drop_patch()  # one a failed hand-off left
+        if self._changes.covers(st.engine_version, st.version) and getattr(self.handoff, "wants_patch", True):
             patch = self.out / "engine" / f"patch-{st.version}.safetensors"
             size = write_patch(patch, views, self._changes.positions)
             log.debug("engine patch %s: %d elements, %d bytes", patch, self._changes.elements(), size)

@@ -275,6 +275,13 @@ class VllmHandoff(_HttpEngine):
         self._update_s: float | None = None
         """In-place updates whose weights did not verify (each was repaired by a reload)."""
 
+    @property
+    def wants_patch(self) -> bool:
+        """Whether a patch of the changed elements may be used: in place is on, and the engine's
+        layout (once known) places every tensor. False spares the daemon writing one."""
+        return self.in_place and (self._layout_of_tensors is None or
+                                  (self._layout is not None and self._layout.in_place))
+
     def hand_over(self, path: Path, version: int, update: WeightsUpdate | None = None) -> HandoffResult:
         real = _real_dir(path)
         start = self._clock()
