@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 import tenacity
 
 from ..errors import ConfigError, EngineWeightsMismatchError, HandoffError, TransientHandoffError
+from ..format import ENGINE_UPDATES
 from ..util.retry import call_with_retries
 from .engine_update import WeightsUpdate, expected_digests
 
@@ -51,7 +52,6 @@ T = TypeVar("T")
 
 ENGINES = ("vllm", "sglang", "http", "exec")
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
-ENGINE_UPDATES = ("in-place", "reload")
 #: Exit status of a hand-off command that asks to be retried (sysexits.h EX_TEMPFAIL).
 EXIT_TEMPFAIL = 75
 _TAIL = 2000  # characters of stderr / a response body kept in an error message
@@ -271,9 +271,9 @@ class VllmHandoff(_HttpEngine):
         self._layout: _Layout | None = None
         self._layout_of_tensors: tuple | None = None
         self.mismatches = 0
+        """In-place updates whose weights did not verify (each was repaired by a reload)."""
         self._tagged = ""
         self._update_s: float | None = None
-        """In-place updates whose weights did not verify (each was repaired by a reload)."""
 
     @property
     def wants_patch(self) -> bool:

@@ -25,7 +25,7 @@ from .head import (
     Head, parse_head,
 )
 from .lease import (
-    Lease, ENGINE_STATES, parse_lease,
+    Lease, ENGINE_STATES, ENGINE_UPDATES, parse_lease,
 )
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "ChunkEntry",
     "DELTA",
     "ENGINE_STATES",
+    "ENGINE_UPDATES",
     "FORMAT_VERSION",
     "FULL_KINDS",
     "FileEntry",
