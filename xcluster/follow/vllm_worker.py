@@ -151,8 +151,8 @@ class _Recorder:
     loader onto a float32 stand-in of the parameter and keeps the stand-in."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = dict(model.named_parameters())
+        self.names = {id(p): n for n, p in self.params.items()}
         self.calls: list[tuple[str, torch.Tensor]] = []
         self._saved: list[tuple[torch.nn.Parameter, object]] = []
 
@@ -200,39 +200,50 @@ class _Recorder:
 def layout(model: torch.nn.Module, tensors: Iterable[tuple[str, list[int], str]]) -> dict:
     """Where each checkpoint tensor ``(name, shape, dtype)`` lands in ``model``'s parameters:
     ``{"regions": [...], "ignored": [names the engine does not load], "unsupported": {name: why}}``."""
-    params = dict(model.named_parameters())
     regions: list[dict] = []
     ignored: list[str] = []
     unsupported: dict[str, str] = {}
-    for name, shape, dtype in tensors:
-        shape = tuple(int(s) for s in shape)
-        try:
-            found: dict[str, list[torch.Tensor]] = {}
-            for axis in (0, 1):
-                with _Recorder(model) as rec:
-                    model.load_weights([(name, _probe_value(shape, axis))])
-                for pname, got in rec.calls:
-                    found.setdefault(pname, []).append(got)
-            if not found:
-                ignored.append(name)
+    with _Recorder(model) as rec:  # every loader stands in until all tensors are probed
+        for name, shape, dtype in tensors:
+            try:
+                found = _place(model, rec, name, tuple(int(s) for s in shape), dtype)
+            except Unsupported as exc:
+                unsupported[name] = str(exc)
                 continue
-            for pname, probes in found.items():
-                if len(probes) != 2:
-                    raise Unsupported(f"{name}: loaded into {pname} {len(probes) // 2 or 1}× per probe")
-                p = params[pname]
-                if str(p.dtype).removeprefix("torch.") != dtype:
-                    raise Unsupported(f"{name} is {dtype}, the engine holds {pname} as {p.dtype}")
-                if not p.is_contiguous():
-                    raise Unsupported(f"{pname} is not contiguous")
-                rows, cols, at = _rectangle(as_2d(probes[0]), as_2d(probes[1]), f"{name} → {pname}")
-                # with the checkpoint tensor's 2-D view: its row count and width
-                regions.append({"tensor": name, "param": pname, "rows": rows, "cols": cols, "at": at,
-                                "nrows": shape[0] if shape else 1, "width": math.prod(shape[1:])})
-        except Unsupported as exc:
-            unsupported[name] = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a loader that rejects a probe: reload that model
-            unsupported[name] = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - a loader that rejects a probe: reload that model
+                unsupported[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            if found:
+                regions += found
+            else:
+                ignored.append(name)
     return {"regions": regions, "ignored": ignored, "unsupported": unsupported}
+
+
+def _place(model: torch.nn.Module, rec: _Recorder, name: str, shape: tuple[int, ...], dtype: str) -> list[dict]:
+    """The regions of one checkpoint tensor, probed through the model's loader (none: the engine
+    does not load it); :class:`Unsupported` where they are not shifted rectangles."""
+    found: dict[str, list[torch.Tensor]] = {}
+    for axis in (0, 1):
+        rec.calls.clear()
+        model.load_weights([(name, _probe_value(shape, axis))])
+        for pname, got in rec.calls:
+            found.setdefault(pname, []).append(got)
+    rec.calls.clear()
+    regions = []
+    for pname, probes in found.items():
+        if len(probes) != 2:
+            raise Unsupported(f"{name}: loaded into {pname} {len(probes) // 2 or 1}× per probe")
+        p = rec.params[pname]
+        if str(p.dtype).removeprefix("torch.") != dtype:
+            raise Unsupported(f"{name} is {dtype}, the engine holds {pname} as {p.dtype}")
+        if not p.is_contiguous():
+            raise Unsupported(f"{pname} is not contiguous")
+        rows, cols, at = _rectangle(as_2d(probes[0]), as_2d(probes[1]), f"{name} → {pname}")
+        # with the checkpoint tensor's 2-D view: its row count and width
+        regions.append({"tensor": name, "param": pname, "rows": rows, "cols": cols, "at": at,
+                        "nrows": shape[0] if shape else 1, "width": math.prod(shape[1:])})
+    return regions
 
 
 def apply_patch(model: torch.nn.Module, regions: list[dict], path: str) -> dict:
