@@ -71,3 +71,27 @@ def test_small_ranges_are_scanned_while_a_large_one_is_and_memory_stays_bounded(
     want = encode.encode_version(new, digests, base, replace(cfg, workers=1),
                                  lambda e, d: one.__setitem__(e.name, bytes(d)))
     assert chunks == one and got.blocks == want.blocks and got.changed_elements == want.changed_elements
+
+
+def test_small_ranges_are_scanned_in_tasks_of_several_and_the_bytes_do_not_change(monkeypatch):
+    rs = [encode._Range(i, f"t{i}", 0, n, False) for i, n in enumerate((10, 20, 30, 100, 5, 5, 90, 1))]
+    tasks, sizes = encode._tasks(rs, [r.end for r in rs], 60)
+    assert [[r.name for r in t] for t in tasks] == [["t0", "t1", "t2"], ["t3"], ["t4", "t5"], ["t6"], ["t7"]]
+    assert sizes == [60, 100, 10, 90, 1]
+    # a model of many small tensors: fewer tasks than ranges, and the same chunks as one range per task
+    cfg = CodecConfig(workers=2)
+    base = _state(1)
+    new = _delta(base)
+    digests = {n: tensor_digest(t) for n, t in new.items()}
+    seen = []
+    real = encode._tasks
+    monkeypatch.setattr(encode, "_tasks", lambda *a: seen.append(real(*a)) or seen[-1])
+    batched: dict[str, bytes] = {}
+    got = encode.encode_version(new, digests, base, cfg, lambda e, d: batched.__setitem__(e.name, bytes(d)))
+    n_ranges = sum(len(t) for t in seen[0][0])
+    assert n_ranges == 41 and len(seen[0][0]) < 5  # 40 small tensors and one of 128 KiB (one range)
+    monkeypatch.setattr(encode, "TASK_BYTES", 0)
+    single: dict[str, bytes] = {}
+    want = encode.encode_version(new, digests, base, cfg, lambda e, d: single.__setitem__(e.name, bytes(d)))
+    assert len(seen[1][0]) == n_ranges
+    assert batched == single and got.blocks == want.blocks

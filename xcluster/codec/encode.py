@@ -125,7 +125,14 @@ class EncodedVersion:
 
 
 WINDOW_RANGES = 64
-"""Ranges scanned ahead of the one being packed, at most (see :func:`scan_version`)."""
+"""Tasks scanned ahead of the one being packed, at most (see :func:`scan_version`)."""
+
+TASK_BYTES = 1 << 20
+"""Consecutive ranges are scanned as one task while they hold at most this many bytes together (and
+at most ``block_bytes``, so a task never holds more than a range of the window's budget): a
+task handed to a worker and back costs about 100-250 µs of thread hand-offs and GIL waits, more than
+scanning a small tensor (a bias, a norm: 384 elements, about 70 µs), so a model with many small
+tensors was bound by the hand-offs (bench/codec.py --v2 --real: 60 of 101 tensors)."""
 
 
 def _range_len(width: int, block_bytes: int) -> int:
@@ -338,6 +345,21 @@ def _same(t: torch.Tensor, old: torch.Tensor | None) -> bool:
     return old is not None and old.dtype == t.dtype and tuple(old.shape) == tuple(t.shape)
 
 
+def _tasks(ranges: list[_Range], nbytes: list[int], limit: int) -> tuple[list[list[_Range]], list[int]]:
+    """``ranges`` (of ``nbytes`` each) cut into runs of consecutive ranges holding at most ``limit``
+    bytes together (a larger range alone): the tasks of :func:`scan_version`, and their bytes."""
+    tasks: list[list[_Range]] = []
+    sizes: list[int] = []
+    for r, b in zip(ranges, nbytes):
+        if tasks and sizes[-1] + b <= limit:
+            tasks[-1].append(r)
+            sizes[-1] += b
+        else:
+            tasks.append([r])
+            sizes.append(b)
+    return tasks, sizes
+
+
 def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None,
                  config: CodecConfig) -> Iterator[ScannedRange]:
     """The ranges of ``new`` (sorted by name, then position) that carry something against ``base``
@@ -346,8 +368,9 @@ def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tenso
     dtype or shape changed, are carried whole (planes).
 
     The window is what ``2 × workers`` ranges of ``block_bytes`` hold (at most
-    :data:`WINDOW_RANGES` ranges): many small ranges are scanned while a large one is, so a
-    large tensor among small ones does not leave the other workers idle."""
+    :data:`WINDOW_RANGES` tasks): many small ranges are scanned while a large one is, so a
+    large tensor among small ones does not leave the other workers idle. Consecutive small ranges
+    are one task (:data:`TASK_BYTES`)."""
     ranges: list[_Range] = []
     for t_idx, name in enumerate(sorted(new)):
         t = new[name]
@@ -355,29 +378,33 @@ def scan_version(new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tenso
         rlen = _range_len(t.element_size(), config.block_bytes)
         ranges.extend(_Range(t_idx, name, s, min(s + rlen, t.numel()), full) for s in range(0, t.numel(), rlen))
     budget = 2 * config.workers * config.block_bytes
-    sizes = [(r.end - r.start) * new[r.name].element_size() for r in ranges]
+    tasks, sizes = _tasks(ranges, [(r.end - r.start) * new[r.name].element_size() for r in ranges],
+                          min(TASK_BYTES, config.block_bytes))
+
+    def task(rs: list[_Range]) -> list[ScannedRange | None]:
+        return [_encode_range(r, new[r.name], None if r.full or base is None else base[r.name], config) for r in rs]
+
     with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="xc-scan") as pool:
         queue: deque[Future] = deque()
-        held = 0  # bytes of the ranges in the queue
+        held = 0  # bytes of the tasks in the queue
         nxt = 0
 
         def fill() -> None:
             nonlocal held, nxt
-            while nxt < len(ranges) and len(queue) < WINDOW_RANGES and (not queue or held + sizes[nxt] <= budget):
-                r = ranges[nxt]
-                old = None if r.full or base is None else base[r.name]
-                queue.append(pool.submit(_encode_range, r, new[r.name], old, config))
+            while nxt < len(tasks) and len(queue) < WINDOW_RANGES and (not queue or held + sizes[nxt] <= budget):
+                queue.append(pool.submit(task, tasks[nxt]))
                 held += sizes[nxt]
                 nxt += 1
 
         try:
             fill()
-            for i in range(len(ranges)):
-                out = queue.popleft().result()  # and drop the reference: bounded memory
+            for i in range(len(tasks)):
+                outs = queue.popleft().result()  # and drop the reference: bounded memory
                 held -= sizes[i]
                 fill()
-                if out is not None:
-                    yield out
+                for out in outs:
+                    if out is not None:
+                        yield out
         finally:
             for f in queue:
                 f.cancel()
