@@ -49,6 +49,31 @@ def test_roundtrip_every_length(n):
     assert base.size == 1 and sym.size == n and raw.size == fullexp.raw_bytes(n)
 
 
+def _spec_raw(u: np.ndarray) -> bytes:
+    """The raw piece of FORMAT.md §5e written from its text, one field and one byte at a time."""
+    r = [(int(x) & 31) | ((int(x) >> 15) << 5) for x in u]
+    n = len(r)
+    out = bytearray()
+    for k in range(n // 64):
+        f = r[64 * k:64 * k + 64]
+        out += bytes((f[i] & 15) | ((f[32 + i] & 15) << 4) for i in range(32))
+        out += bytes((f[i] >> 4) | ((f[16 + i] >> 4) << 2) | ((f[32 + i] >> 4) << 4) | ((f[48 + i] >> 4) << 6)
+                     for i in range(16))
+    tail = r[64 * (n // 64):]
+    bits = sum(v << (6 * j) for j, v in enumerate(tail))
+    out += bits.to_bytes((6 * len(tail) + 7) // 8, "little")
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 128, 200])
+def test_raw_fields_are_laid_out_as_the_format_says(n):
+    u = np.random.default_rng(n).integers(0, 1 << 16, n, dtype=np.uint16)
+    want = _spec_raw(u)
+    assert len(want) == fullexp.raw_bytes(n)
+    for numpy in LOOPS:
+        assert fullexp.encode(u, numpy=numpy)[3].tobytes() == want
+
+
 @pytest.mark.parametrize("kind", ["constant", "zeros", "every-value", "random-bits", "specials", "wide"])
 def test_roundtrip_odd_distributions(kind):
     gen = np.random.default_rng(3)

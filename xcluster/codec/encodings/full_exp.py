@@ -133,26 +133,39 @@ def _escapes(u, base, sym, esc):
     return k
 
 
+BLOCK = 64
+"""Raw fields are stored in blocks of this many values (FORMAT.md §5e): 48 bytes, laid out so that
+each of the block's four quarters is read with the same constant shifts, which vector units do 16
+values at a time (AVX2 has no 16-bit shift by a variable amount: a layout whose shifts vary from
+value to value, as six bits after six bits does, runs one value at a time, about 4x slower here)."""
+
+
 def _pack(u, raw):
     """Pack the raw fields of the bf16 raw bits ``u`` into ``raw`` (zeroed, :func:`raw_bytes`
-    long): six bits each, least significant first."""
+    long): whole blocks of BLOCK values (FORMAT.md §5e), then the last values six bits each, least
+    significant first."""
     n = u.size
-    for g in range(n // 4):
-        j = 4 * g
-        w = np.uint32(0)
-        for i in range(4):
-            a = np.uint32(u[j + i])
-            w |= ((a & np.uint32(31)) | ((a >> np.uint32(10)) & np.uint32(32))) << np.uint32(RAW_BITS * i)
-        b = 3 * g
-        raw[b] = np.uint8(w & np.uint32(255))
-        raw[b + 1] = np.uint8((w >> np.uint32(8)) & np.uint32(255))
-        raw[b + 2] = np.uint8(w >> np.uint32(16))
-    w = np.uint32(0)
-    for j in range(n - n % 4, n):  # the last, incomplete group: its bits, then zero padding
-        a = np.uint32(u[j])
-        w |= ((a & np.uint32(31)) | ((a >> np.uint32(10)) & np.uint32(32))) << np.uint32(RAW_BITS * (j % 4))
-    for b in range((RAW_BITS * (n % 4) + 7) // 8):
-        raw[3 * (n // 4) + b] = np.uint8((w >> np.uint32(8 * b)) & np.uint32(255))
+    m15, m31, m32, ten = np.uint16(15), np.uint16(31), np.uint16(32), np.uint16(10)
+    for k in range(n // BLOCK):
+        o = BLOCK * k
+        a = 48 * k
+        for i in range(16):  # a field: the five low mantissa bits, then the sign
+            r0 = (u[o + i] & m31) | ((u[o + i] >> ten) & m32)
+            r1 = (u[o + 16 + i] & m31) | ((u[o + 16 + i] >> ten) & m32)
+            r2 = (u[o + 32 + i] & m31) | ((u[o + 32 + i] >> ten) & m32)
+            r3 = (u[o + 48 + i] & m31) | ((u[o + 48 + i] >> ten) & m32)
+            raw[a + i] = np.uint8((r0 & m15) | ((r2 & m15) << np.uint16(4)))
+            raw[a + 16 + i] = np.uint8((r1 & m15) | ((r3 & m15) << np.uint16(4)))
+            raw[a + 32 + i] = np.uint8((r0 >> np.uint16(4)) | ((r1 >> np.uint16(4)) << np.uint16(2))
+                                       | ((r2 >> np.uint16(4)) << np.uint16(4)) | ((r3 >> np.uint16(4)) << np.uint16(6)))
+    t = n - n % BLOCK
+    at = 48 * (n // BLOCK)
+    for j in range(t, n):  # the last values, fewer than a block: six bits each, then zero padding
+        bit = RAW_BITS * (j - t)
+        r = np.uint32((u[j] & m31) | ((u[j] >> ten) & m32)) << np.uint32(bit & 7)
+        raw[at + (bit >> 3)] |= np.uint8(r & np.uint32(255))
+        if r >> np.uint32(8):
+            raw[at + (bit >> 3) + 1] |= np.uint8(r >> np.uint32(8))
 
 
 def _join(sym, esc, raw, base, out):
@@ -164,31 +177,32 @@ def _join(sym, esc, raw, base, out):
     n = sym.size
     top = np.uint16(base << 7)
     keep = np.uint16(0x7FE0)  # an escape's bits 5-14 are wrong until put right, and nothing else
-    for g in range(n // 4):
-        b0 = np.uint16(raw[3 * g])
-        b1 = np.uint16(raw[3 * g + 1])
-        b2 = np.uint16(raw[3 * g + 2])
-        r0 = b0 & np.uint16(63)
-        r1 = (b0 >> np.uint16(6)) | ((b1 & np.uint16(15)) << np.uint16(2))
-        r2 = (b1 >> np.uint16(4)) | ((b2 & np.uint16(3)) << np.uint16(4))
-        r3 = b2 >> np.uint16(2)
-        o = 4 * g
-        out[o] = (((np.uint16(sym[o]) << np.uint16(5)) + top) & keep) | (r0 & np.uint16(31)) \
-            | ((r0 & np.uint16(32)) << np.uint16(10))
-        out[o + 1] = (((np.uint16(sym[o + 1]) << np.uint16(5)) + top) & keep) | (r1 & np.uint16(31)) \
-            | ((r1 & np.uint16(32)) << np.uint16(10))
-        out[o + 2] = (((np.uint16(sym[o + 2]) << np.uint16(5)) + top) & keep) | (r2 & np.uint16(31)) \
-            | ((r2 & np.uint16(32)) << np.uint16(10))
-        out[o + 3] = (((np.uint16(sym[o + 3]) << np.uint16(5)) + top) & keep) | (r3 & np.uint16(31)) \
-            | ((r3 & np.uint16(32)) << np.uint16(10))
-    for j in range(n - n % 4, n):
-        bit = RAW_BITS * j
-        w = np.int64(raw[bit >> 3])
-        if (bit >> 3) + 1 < raw.size:
-            w |= np.int64(raw[(bit >> 3) + 1]) << 8
+    m15, m3, m31, m32 = np.uint16(15), np.uint16(3), np.uint16(31), np.uint16(32)
+    five, four, ten = np.uint16(5), np.uint16(4), np.uint16(10)
+    for k in range(n // BLOCK):  # four quarters of 16 values, each with constant shifts
+        o = BLOCK * k
+        a = 48 * k
+        for i in range(16):
+            r = (np.uint16(raw[a + i]) & m15) | ((np.uint16(raw[a + 32 + i]) & m3) << four)
+            out[o + i] = (((np.uint16(sym[o + i]) << five) + top) & keep) | (r & m31) | ((r & m32) << ten)
+        for i in range(16):
+            r = (np.uint16(raw[a + 16 + i]) & m15) | (((np.uint16(raw[a + 32 + i]) >> np.uint16(2)) & m3) << four)
+            out[o + 16 + i] = (((np.uint16(sym[o + 16 + i]) << five) + top) & keep) | (r & m31) | ((r & m32) << ten)
+        for i in range(16):
+            r = (np.uint16(raw[a + i]) >> four) | (((np.uint16(raw[a + 32 + i]) >> four) & m3) << four)
+            out[o + 32 + i] = (((np.uint16(sym[o + 32 + i]) << five) + top) & keep) | (r & m31) | ((r & m32) << ten)
+        for i in range(16):
+            r = (np.uint16(raw[a + 16 + i]) >> four) | ((np.uint16(raw[a + 32 + i]) >> np.uint16(6)) << four)
+            out[o + 48 + i] = (((np.uint16(sym[o + 48 + i]) << five) + top) & keep) | (r & m31) | ((r & m32) << ten)
+    t = n - n % BLOCK
+    at = 48 * (n // BLOCK)
+    for j in range(t, n):  # the last values: six bits each
+        bit = RAW_BITS * (j - t)
+        w = np.int64(raw[at + (bit >> 3)])
+        if at + (bit >> 3) + 1 < raw.size:
+            w |= np.int64(raw[at + (bit >> 3) + 1]) << 8
         r = np.uint16((w >> (bit & 7)) & 63)
-        out[j] = (((np.uint16(sym[j]) << np.uint16(5)) + top) & keep) | (r & np.uint16(31)) \
-            | ((r & np.uint16(32)) << np.uint16(10))
+        out[j] = (((np.uint16(sym[j]) << five) + top) & keep) | (r & m31) | ((r & m32) << ten)
     escaped = 0
     for j in range(n):
         escaped += sym[j] >= ESCAPE
@@ -221,19 +235,38 @@ def _np_escapes(u, base, sym, esc):
     return where.size
 
 
+def _np_fields6(r: np.ndarray) -> np.ndarray:
+    """Fields (uint32, < 64) packed six bits each, least significant first, padded to a byte."""
+    n = r.size
+    r = np.concatenate((r, np.zeros(-n % 4, dtype=np.uint32))).reshape(-1, 4)
+    w = r[:, 0] | (r[:, 1] << 6) | (r[:, 2] << 12) | (r[:, 3] << 18)
+    return np.stack((w & 255, (w >> 8) & 255, w >> 16), axis=1).ravel()[:raw_bytes(n)]
+
+
 def _np_pack(u, raw):
     r = ((u & 31) | ((u >> 15) << 5)).astype(np.uint32)
-    r = np.concatenate((r, np.zeros(-r.size % 4, dtype=np.uint32))).reshape(-1, 4)
-    w = r[:, 0] | (r[:, 1] << 6) | (r[:, 2] << 12) | (r[:, 3] << 18)
-    raw[:] = np.stack((w & 255, (w >> 8) & 255, w >> 16), axis=1).ravel()[:raw.size]
+    t = u.size - u.size % BLOCK
+    q = r[:t].reshape(-1, 4, 16)  # block, quarter, value
+    lo, hi = q & 15, q >> 4
+    blocks = np.concatenate((lo[:, 0] | (lo[:, 2] << 4), lo[:, 1] | (lo[:, 3] << 4),
+                             hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)), axis=1)
+    tail = _np_fields6(r[t:])
+    raw[:] = np.concatenate((blocks.ravel(), tail)).astype(np.uint8)
 
 
 def _np_join(sym, esc, raw, base, out):
     n = sym.size
     v = ((sym.astype(np.uint16) << 5) + np.uint16(base << 7)) & np.uint16(0x7FE0)
-    padded = np.concatenate((raw, np.zeros(-raw.size % 3, dtype=np.uint8))).reshape(-1, 3).astype(np.uint32)
+    t = n - n % BLOCK
+    b = raw[:48 * (t // BLOCK)].reshape(-1, 48).astype(np.uint16)
+    lo, hi = b[:, :32], b[:, 32:]
+    quarters = [lo[:, :16] & 15, lo[:, 16:] & 15, lo[:, :16] >> 4, lo[:, 16:] >> 4]
+    r = np.stack([quarters[k] | (((hi >> (2 * k)) & 3) << 4) for k in range(4)], axis=1).reshape(-1)
+    padded = raw[48 * (t // BLOCK):]
+    padded = np.concatenate((padded, np.zeros(-padded.size % 3, dtype=np.uint8))).reshape(-1, 3).astype(np.uint32)
     w = padded[:, 0] | (padded[:, 1] << 8) | (padded[:, 2] << 16)
-    r = np.stack([(w >> (RAW_BITS * i)) & 63 for i in range(4)], axis=1).ravel()[:n].astype(np.uint16)
+    tail = np.stack([(w >> (RAW_BITS * i)) & 63 for i in range(4)], axis=1).ravel()[:n - t].astype(np.uint16)
+    r = np.concatenate((r, tail))
     v |= (r & 31) | ((r & 32) << 10)
     where = np.flatnonzero(sym >= ESCAPE)
     if where.size > esc.size:
