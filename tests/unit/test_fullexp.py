@@ -74,6 +74,17 @@ def test_raw_fields_are_laid_out_as_the_format_says(n):
         assert fullexp.encode(u, numpy=numpy)[3].tobytes() == want
 
 
+def test_a_large_segment_chooses_its_base_from_a_sample_and_escapes_what_it_missed():
+    n = 4 * fullexp.HIST_SAMPLED
+    u = weights(n, seed=9)
+    odd = np.arange(7, n, 1001)
+    odd = odd[odd % fullexp.HIST_STEP != 0]  # none of them in the sample
+    u[odd] = 0x0100 | (u[odd] & 0x807F)  # exponent 2, far below any window that holds the weights
+    base, sym, esc, raw = roundtrip(u)
+    assert base[0] > 2 and esc.size == odd.size and (esc == 2).all()
+    assert (sym[odd] >= fullexp.ESCAPE).all()
+
+
 @pytest.mark.parametrize("kind", ["constant", "zeros", "every-value", "random-bits", "specials", "wide"])
 def test_roundtrip_odd_distributions(kind):
     gen = np.random.default_rng(3)

@@ -94,18 +94,28 @@ def choose_base(hist: np.ndarray) -> int:
 
 
 # --- the loops (compiled by numba when it is there; numpy below otherwise) -----------------------
-def _hist(u, hist):
-    """Add the exponents of the bf16 raw bits ``u`` to ``hist`` (256 counts; four partial
-    histograms, so that equal neighbours do not wait on each other's count)."""
+HIST_STEP = 16
+"""Segments of at least :data:`HIST_SAMPLED` values choose their base from every HIST_STEP-th
+exponent (a base is the writer's choice, FORMAT.md §5e: any base gives a correct segment; one
+whose window misses an exponent the sample did not see escapes it). A full histogram cost
+0.39 ns a value here, a third of encoding the segment; the sample gives the same bytes within
+0.001% on real weights."""
+HIST_SAMPLED = 1 << 16
+
+
+def _hist(u, step, hist):
+    """Add the exponents of every ``step``-th of the bf16 raw bits ``u`` to ``hist`` (256 counts;
+    four partial histograms, so that equal neighbours do not wait on each other's count)."""
     h = np.zeros((4, 256), dtype=np.int64)
     n = u.size
-    main = n - n % 4
-    for j in range(0, main, 4):
+    s4 = 4 * step
+    main = n - n % s4
+    for j in range(0, main, s4):
         h[0, (np.int64(u[j]) >> 7) & 255] += 1
-        h[1, (np.int64(u[j + 1]) >> 7) & 255] += 1
-        h[2, (np.int64(u[j + 2]) >> 7) & 255] += 1
-        h[3, (np.int64(u[j + 3]) >> 7) & 255] += 1
-    for j in range(main, n):
+        h[1, (np.int64(u[j + step]) >> 7) & 255] += 1
+        h[2, (np.int64(u[j + 2 * step]) >> 7) & 255] += 1
+        h[3, (np.int64(u[j + 3 * step]) >> 7) & 255] += 1
+    for j in range(main, n, step):
         h[0, (np.int64(u[j]) >> 7) & 255] += 1
     for e in range(256):
         hist[e] += h[0, e] + h[1, e] + h[2, e] + h[3, e]
@@ -113,23 +123,39 @@ def _hist(u, hist):
 
 def _symbols(u, base, sym):
     """The symbols of the bf16 raw bits ``u``, right for the exponents inside the window (the
-    others are fixed by :func:`_escapes`): bits 5-14 less 4·base, modulo 256."""
-    b4 = np.uint16(base << 2)
+    others are fixed by :func:`_escapes`): bits 5-12 of ``u − (base << 7)`` (modulo 2^16), which
+    are ``4·(e − base) + m`` modulo 256. Returns the largest ``(e − base) mod 256``: some exponent
+    lies outside the window when it is WINDOW or more. (Written so that it runs as a vector loop:
+    uint16 throughout; 0.1 ns a value here, against 0.35 with the same steps in int64.)"""
+    top = np.uint16(base << 7)
+    most = np.uint16(0)
     for j in range(u.size):
-        sym[j] = np.uint8(((u[j] >> np.uint16(5)) & np.uint16(1023)) - b4)
+        d = np.uint16(u[j] - top)
+        sym[j] = d >> np.uint16(5)
+        most = max(most, np.uint16(d & np.uint16(0x7F80)))
+    return most >> np.uint16(7)
 
 
 def _escapes(u, base, sym, esc):
     """Escape the exponents of ``u`` outside the window: their symbols, and the exponents into
-    ``esc`` in order; returns how many."""
+    ``esc`` (room for all of ``u``) in order; returns how many. Blocks of BLOCK values are tested by
+    a vector loop first, and only those holding an escape are walked value by value."""
+    top = np.uint16(base << 7)
+    lo = np.uint16(WINDOW << 7)
+    n = u.size
     k = 0
-    for j in range(u.size):
-        a = np.int64(u[j])
-        e = (a >> 7) & 255
-        if not 0 <= e - base < WINDOW:
-            sym[j] = ESCAPE | ((a >> 5) & 3)
-            esc[k] = e
-            k += 1
+    for b0 in range(0, n, BLOCK):
+        b1 = min(b0 + BLOCK, n)
+        most = np.uint16(0)
+        for j in range(b0, b1):
+            most = max(most, np.uint16(np.uint16(u[j] - top) & np.uint16(0x7F80)))
+        if most >= lo:
+            for j in range(b0, b1):
+                x = u[j]
+                if np.uint16(np.uint16(x - top) & np.uint16(0x7F80)) >= lo:
+                    sym[j] = np.uint8(ESCAPE | ((x >> np.uint16(5)) & np.uint16(3)))
+                    esc[k] = np.uint8(x >> np.uint16(7))
+                    k += 1
     return k
 
 
@@ -219,12 +245,13 @@ def _join(sym, esc, raw, base, out):
     return k
 
 
-def _np_hist(u, hist):
-    hist += np.bincount((u >> 7) & 255, minlength=256)
+def _np_hist(u, step, hist):
+    hist += np.bincount((u[::step] >> 7) & 255, minlength=256)
 
 
 def _np_symbols(u, base, sym):
     sym[:] = (((u >> 5) & 1023) - np.uint16(base << 2)).astype(np.uint8)
+    return int((((u >> 7) & 255) - np.uint16(base)).astype(np.uint8).max(initial=0))
 
 
 def _np_escapes(u, base, sym, esc):
@@ -308,13 +335,13 @@ def encode(values: np.ndarray, *, loops=None, numpy: bool = False) -> list[np.nd
     hist_loop, symbols, escapes, pack = (loops if loops is not None else _loops(numpy))[:4]
     u = np.ascontiguousarray(values, dtype=np.uint16)
     hist = np.zeros(256, dtype=np.int64)
-    hist_loop(u, hist)
+    hist_loop(u, 1 if u.size < HIST_SAMPLED else HIST_STEP, hist)
     base = choose_base(hist)
     sym = np.empty(u.size, dtype=np.uint8)
-    symbols(u, base, sym)
-    esc = np.empty(u.size - int(hist[base:base + WINDOW].sum()), dtype=np.uint8)
-    if esc.size:
-        assert escapes(u, base, sym, esc) == esc.size
+    esc = np.empty(0, dtype=np.uint8)
+    if symbols(u, base, sym) >= WINDOW:
+        room = np.empty(u.size, dtype=np.uint8)  # pages are touched only where escapes are written
+        esc = room[:escapes(u, base, sym, room)].copy()
     raw = np.zeros(raw_bytes(u.size), dtype=np.uint8)
     pack(u, raw)
     return [np.array([base], dtype=np.uint8), sym, esc, raw]
