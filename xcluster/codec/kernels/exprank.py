@@ -12,7 +12,8 @@ Two implementations give identical results:
   wait on each other (the encoder tests once per eight elements whether a change falls among them,
   not once per element); the GIL is released, so ranges decode on several cores at once. The
   decoder's select is in :mod:`.expselect`: a plain loop over every element, and the same pass 64
-  elements per step by vector masks (about twice as fast on real weights at 1% changed), used
+  elements per step by vector masks (about twice as fast on real weights at 1% changed on the host
+  first measured, as fast as the plain loop on an AVX2-only one: :data:`DENSE_RANGE`), used
   where it compiles and agrees with the plain loop when loaded, on ranges not denser than
   :data:`DENSE_RANGE`;
 - numpy: one bitmap per group that holds changes (members packed 64 to a word) with the prefix
@@ -336,7 +337,9 @@ DENSE_RANGE = 25
 by :mod:`.expselect`'s masks: there most blocks hold a change, and the branches the masks take per
 find cost more than the plain loop's pass (real weights, one thread, bench/rank_select.py: the
 masks 2.7-3× as fast at 0.1% changed, 1.8-2.2× at 1%, 1.1-1.2× at 3%, 0.9-1.0× at 5%, 0.7-0.8×
-at 10%)."""
+at 10%, on the host first measured, whose vector ISA was not recorded; on an AVX2-only host, a
+2-core AMD EPYC, 2026-12-07: 0.99× at 0.1%, 0.95× at 1%, 0.81× at 3%, 0.79× at 5%, 0.64× at 10%:
+there a 64-lane compare and its mask cost several instructions each)."""
 
 
 def select_loop(kern: Kernels, changes: int, elements: int):

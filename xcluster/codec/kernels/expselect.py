@@ -12,7 +12,8 @@ the block is the popcount of its mask, so a group is passed with one subtraction
 changed member lies beyond the block; otherwise the member is the n-th set bit of the mask.
 Elements whose group lies outside the window (rare: on real weights a window of twelve exponents
 holds 99.9% of the elements) have a mask of their own and are counted one by one as before. On the
-real model at 1% this is about twice as fast as the plain loop, with the same results in the same
+real model at 1% this was about twice as fast as the plain loop on the host first measured (as
+fast as it on an AVX2-only host: :data:`.exprank.DENSE_RANGE`), with the same results in the same
 order. Where more than one element in :data:`.exprank.DENSE_RANGE` changed, most blocks hold a find
 and the masks gain nothing: :mod:`.exprank` gives such ranges to the plain loop.
 
