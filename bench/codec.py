@@ -201,15 +201,29 @@ def run_bits(master, lr: float, steps: int, stepper=adam_steps):
     return first
 
 
+LARGE = 6
+"""Tensors of 4096 × 4096 in the speed table's large-tensor rows (201 MB of bf16): the shape of an
+LLM's matrices, where the cost per tensor and per range no longer counts."""
+
+
+def large_model(seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": (torch.randn(4096, 4096, generator=g) * 0.02).to(torch.bfloat16)
+            for i in range(LARGE)}
+
+
 def run_speed(base, first=None) -> None:
     """Encode and apply speed, v1 and v2 side by side in one run: at fixed densities (that share of
-    every tensor's elements moved by one ulp, at random) and, where given, on the run's first delta
-    ``first`` (where a real step's changes fall)."""
+    every tensor's elements moved by one ulp, at random), where given on the run's first delta
+    ``first`` (where a real step's changes fall), and at 1% of a model of :data:`LARGE` large
+    matrices."""
     print("| delta | codec | bits/changed | encode MB/s | apply MB/s |")
     print("|---|---|---|---|---|")
     work = [(f"{d:.1%} of each tensor", base, at_density(base, d)) for d in (0.001, 0.01)]
     if first is not None:
         work.append(("step 1 of the run", *first))
+    large = large_model()
+    work.append((f"1.0% of {LARGE} × 4096² tensors", large, at_density(large, 0.01)))
     for label, old, new in work:
         rows = {name: measure(old, new, cfg=cfg) for name, cfg in (("v1", V1), ("v2", V2))}
         for name, r in rows.items():
