@@ -94,6 +94,13 @@ def choose_base(hist: np.ndarray) -> int:
 
 
 # --- the loops (compiled by numba when it is there; numpy below otherwise) -----------------------
+BLOCK = 64
+"""Raw fields are stored in blocks of this many values (FORMAT.md §5e): 48 bytes, laid out so that
+each of the block's four quarters is read with the same constant shifts, which vector units do 16
+values at a time (AVX2 has no 16-bit shift by a variable amount: a layout whose shifts vary from
+value to value, as six bits after six bits does, runs one value at a time, about 4x slower here)."""
+
+
 HIST_STEP = 16
 """Segments of at least :data:`HIST_SAMPLED` values choose their base from every HIST_STEP-th
 exponent (a base is the writer's choice, FORMAT.md §5e: any base gives a correct segment; one
@@ -157,13 +164,6 @@ def _escapes(u, base, sym, esc):
                     esc[k] = np.uint8(x >> np.uint16(7))
                     k += 1
     return k
-
-
-BLOCK = 64
-"""Raw fields are stored in blocks of this many values (FORMAT.md §5e): 48 bytes, laid out so that
-each of the block's four quarters is read with the same constant shifts, which vector units do 16
-values at a time (AVX2 has no 16-bit shift by a variable amount: a layout whose shifts vary from
-value to value, as six bits after six bits does, runs one value at a time, about 4x slower here)."""
 
 
 def _pack(u, raw):
