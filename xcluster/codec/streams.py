@@ -63,6 +63,8 @@ def compress(pieces: Sequence[np.ndarray | bytes | memoryview], *, level: int) -
 def stored_size(pieces: Sequence[np.ndarray], *, level: int) -> int:
     """The bytes :func:`compress` would store ``pieces`` in (without making the raw copy)."""
     total = sum(p.nbytes for p in pieces)
+    if pieces and all(isinstance(p, Incompressible) for p in pieces):
+        return total
     payload = _frame(pieces, total, level)
     return total if payload is None else min(total, len(payload))
 

@@ -7,8 +7,9 @@ of the base's bits; the positions of the changes are coded as gaps between **ran
 group (the rank of an element: how many elements of its group lie before it in the range), with a
 Rice code whose parameter the writer derives from the group's size and its number of changes and
 stores (one byte per group, in the counts stream, so a reader needs one pass). The
-value of a change is split into a sign bit, a "moved more than one step" bit, and, for those that
-did, the rest in byte planes.
+value of a change is split into a sign bit and its magnitude (in ulps), the magnitudes coded in
+change order with adaptive binary rANS (:mod:`..kernels.rans`), which follows the group-by-group
+shrinking of the moves that packed flags and byte planes could not.
 
 Ranks, group sizes and the member of a given rank are found by :mod:`..kernels.exprank` (one pass over the
 range, no sort).
@@ -21,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DecodeError
-from ..kernels import exprank, expread, expwrite
+from ..kernels import exprank, expread, expwrite, rans
 from ..kernels.changes import UINT
 from ..encoding import SPARSE, BlockStreams, DecodeInput, Op, RangeInput, Scatter, register, stored_bytes
 from ..kernels.changes import split_planes, unzigzag
+from ..streams import incompressible
 
 EXP_FIELDS: dict[str, tuple[int, int]] = {
     "bfloat16": (7, 8),
@@ -38,8 +40,9 @@ EXP_FIELDS: dict[str, tuple[int, int]] = {
 """dtype -> (shift, bits) of the exponent field in the raw bits: the group of an element is
 ``(u >> shift) & (2**bits - 1)``. Other dtypes have no ``sparse-exp2`` encoding."""
 
-N_STREAMS = 6
-COUNTS, UNARY, REMAINDERS, SIGNS, BIG, REST = range(N_STREAMS)
+N_STREAMS = 5
+COUNTS, UNARY, REMAINDERS, SIGNS, MAGS = range(N_STREAMS)
+STREAM_NAMES = ("counts", "quotient", "remainder", "sign", "magnitude")
 
 def n_groups(dtype: str) -> int:
     return 1 << EXP_FIELDS[dtype][1]
@@ -84,7 +87,7 @@ def _packbits(bits: np.ndarray) -> np.ndarray:
 
 
 def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z: np.ndarray) -> list[np.ndarray]:
-    """The six stream pieces of one ``sparse-exp2`` segment (FORMAT.md §5d). ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
+    """The five stream pieces of one ``sparse-exp2`` segment (FORMAT.md §5d). ``counts``: changes per group; ``sizes``: group sizes (where counts > 0);
     ``ranks`` and ``z`` (zigzag of the change, unsigned of the element's width) in change order.
     The Rice codes are written by a compiled loop where there is one, else with numpy: the same
     bytes."""
@@ -99,12 +102,9 @@ def pack(dtype: str, counts: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, z
     count_pieces.append(kfull)
     coded = exprank.rice_code(ranks, n, k)
     unary, rem = coded if coded is not None else _rice_numpy(ranks, n, k)
-    one = z.dtype.type(1)
-    sign = (z & one).astype(np.uint8)
-    big = z > z.dtype.type(2)
-    rest = (z[big] >> one) + (z[big] & one) - z.dtype.type(2)
-    return [np.concatenate(count_pieces), unary, rem, _packbits(sign),
-            _packbits(big.view(np.uint8)), np.concatenate(split_planes(rest)) if rest.size else rest.view(np.uint8)]
+    sign = (z & z.dtype.type(1)).astype(np.uint8)
+    mags = incompressible(rans.encode((z.astype(np.int64) + 1) >> 1, z.dtype.itemsize))
+    return [np.concatenate(count_pieces), unary, rem, _packbits(sign), mags]
 
 
 def _rice_numpy(ranks: np.ndarray, n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,19 +198,16 @@ class SegmentReader:
         pos, idx, ok = exprank.select_sorted(old, present, starts, ranks, shift, mask)
         if not ok:
             raise DecodeError(f"{where}: a rank lies past the end of its group")
-        sign = _bits(self._take(SIGNS, (nnz + 7) // 8, "sign"), nnz, where, "sign").astype(udt)
-        big = _bits(self._take(BIG, (nnz + 7) // 8, "flag"), nnz, where, "flag").astype(bool)
-        nbig = int(np.count_nonzero(big))
-        rplanes = self._take(REST, w * nbig, "rest").reshape(w, nbig)
-        z = udt(2) - sign
-        if nbig:
-            rest = np.ascontiguousarray(rplanes.T).view(udt).reshape(-1)
-            if (rest > udt((1 << (8 * w - 1)) - 2)).any():
-                raise DecodeError(f"{where}: a change's rest is out of range")
-            zb = ((rest + udt(2)) << udt(1)) - sign[big]
-            if (zb < udt(3)).any():
-                raise DecodeError(f"{where}: a change's rest is out of range")
-            z[big] = zb
+        sign = _bits(self._take(SIGNS, (nnz + 7) // 8, "sign"), nnz, where, "sign").astype(np.int64)
+        mag, end = rans.decode(self.s[MAGS], self.cur[MAGS], nnz, w, compiled_loops=self.compiled)
+        if end < 0:
+            raise DecodeError(f"{where}: the magnitude piece runs past its stream or does not end on "
+                              f"the coder's initial state")
+        self.cur[MAGS] = end
+        z64 = 2 * mag - sign
+        if (z64 >= 1 << (8 * w)).any():
+            raise DecodeError(f"{where}: a change's magnitude is out of range")
+        z = z64.astype(udt)
         if self.one_call:
             raise DecodeError(f"{where}: the compiled reader rejects a segment the numpy reader reads (a bug)")
         return pos, z[idx]  # in element order, so the patch lands in memory order
@@ -260,7 +257,7 @@ class SegmentReader:
         return ranks
 
     def finish(self) -> None:
-        for i, what in enumerate(("counts", "quotient", "remainder", "sign", "flag", "rest")):
+        for i, what in enumerate(STREAM_NAMES):
             if self.cur[i] != self.s[i].size:
                 raise DecodeError(f"{self.where}: {self.s[i].size - self.cur[i]} bytes left over in the {what} stream")
         if self._ones is not None and self.one_cur != self._ones.size:
@@ -270,15 +267,16 @@ class SegmentReader:
 # --- the encoding ---------------------------------------------------------------------------
 NAME = "sparse-exp2"
 
-EXACT = (True, False, False, True, True, False)
+EXACT = (True, False, False, True, False)
 """Which stream lengths :meth:`SparseExp2.stream_lengths` gives exactly (else a bound)."""
 
 MIN_CHANGES = 64
 """Ranges with fewer changes stay ``sparse-sub`` without trying ``sparse-exp2``: its side information
-(the counts and Rice parameters of the groups, six stream pieces) outweighs what it saves there,
+(the counts and Rice parameters of the groups, five stream pieces) outweighs what it saves there,
 and the trial (grouping, coding, compressing both) costs more than encoding the range itself.
-On the real-weights run (bench/codec.py --real) 16, 64 and 256 all give 7.64 bits per change
-over 24 steps (7.65 when every range tries), 1024 gives 8.29; the 64 ranges of 384 elements of
+On the real-weights run (bench/codec.py --real, measured while the magnitudes were still flags and
+byte planes) 16, 64 and 256 all give 7.64 bits per change over 24 steps (7.65 when every range
+tries), 1024 gives 8.29; the 64 ranges of 384 elements of
 that model then encode in 100 µs each instead of 230."""
 
 MIN_SAVING = 0.0005
@@ -294,17 +292,17 @@ changes, 0.00025 and 0.0005 nothing there."""
 
 
 class SparseExp2:
-    """Changed positions per exponent group of the base (Rice-coded ranks) and packed values."""
+    """Changed positions per exponent group of the base (Rice-coded ranks), signs, rANS-coded magnitudes."""
 
     name, kind, core, reads_range = NAME, SPARSE, False, True
     dtypes = tuple(EXP_FIELDS)
 
     def stream_lengths(self, width, segments, dtypes):
-        nnz = sum(s.nnz for s in segments)
         bitmaps = sum((s.nnz + 7) // 8 for s in segments)
         # per group: its count (uint32) and its Rice parameter (one byte)
         lengths = [5 * sum(n_groups(d) for d in dtypes), sum((s.count + 7) // 8 for s in segments),
-                   sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps, bitmaps, width * nnz]
+                   sum((31 * s.nnz + 7) // 8 for s in segments), bitmaps,
+                   sum(rans.max_piece(s.nnz, width) for s in segments)]
         return list(zip(lengths, EXACT))
 
     def stream_level(self, stream: int, level: int) -> int:
@@ -313,12 +311,12 @@ class SparseExp2:
     def memory(self, block) -> int:
         # the streams and the unpacked quotient bits; per segment its groups, a group's membership
         # mask and bitmap with prefix counts (3 bytes per element); per change about 10 int64
-        # temporaries, the values, its remainder bits unpacked (at most 31) and a 64-byte word
-        # unpacked three times while its rank is selected (192)
+        # temporaries, the values, its magnitude, sign and value as int64 (24), its remainder bits
+        # unpacked (at most 31) and a 64-byte word unpacked three times while its rank is selected (192)
         raw = [s.raw for s in block.streams]
         nnz = sum(s.nnz for s in block.segments)
         longest = max(s.count for s in block.segments)
-        return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 31 + 192)
+        return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 24 + 31 + 192)
 
     def on_device(self, old, pos, dtype: str):
         """The grouping and ranks of the changes, with torch ops where the tensors live."""

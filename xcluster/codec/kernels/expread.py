@@ -2,12 +2,12 @@
 
 :class:`..encodings.sparse_exp2.SegmentReader` reads a segment in a dozen numpy steps around the compiled Rice
 decoder and select (:mod:`.exprank`): parse the counts, check the Rice parameters, unpack the sign
-and flag bits, join the rests, put the values in element order. On real weights those steps cost
+bits, decode the magnitudes, put the values in element order. On real weights those steps cost
 more than half as much as the select's pass over the range itself (per segment about 100 µs, per
 change about 25 ns), and each holds the GIL while the other decode worker may wait for it. Here two compiled
-loops take their place: the counts piece in, the groups with changes out; the sign, flag and rest
-pieces in, the values in element order out. A segment is four compiled calls, the GIL released
-in each.
+loops take their place: the counts piece in, the groups with changes out; the sign piece and the
+magnitudes (:mod:`.rans`) in, the values in element order out. A segment is five compiled calls,
+the GIL released in each.
 
 Every check of the numpy steps is made, but a failed one only makes :func:`read` return None:
 the caller then reads the segment again the numpy way, which raises the precise
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import exprank, jit
+from . import exprank, jit, rans
 
 
 def _counts(counts, at, ng, nnz):
@@ -49,44 +49,27 @@ def _counts(counts, at, ng, nnz):
     return present[:j], ns[:j], ks[:j], starts[:j + 1], starts[j] == nnz
 
 
-def _values(signs, scur, flags, fcur, rest, tcur, nnz, width, idx, z):
-    """The zigzag values of ``nnz`` changes (change order) from the sign and flag pieces at bytes
-    ``scur`` and ``fcur`` and the rest planes at ``tcur``, written to ``z`` in element order
-    (``z[h]`` gets change ``idx[h]``'s). Returns the number of rests read, or -1 when a piece is
-    short, a padding bit is set or a rest is out of range."""
+def _values(signs, scur, mag, nnz, width, idx, z):
+    """The zigzag values of ``nnz`` changes (change order) from the sign piece at byte ``scur``
+    and their magnitudes ``mag``, written to ``z`` in element order (``z[h]`` gets change
+    ``idx[h]``'s). Returns 0, or -1 when the sign piece is short, a padding bit is set or a
+    magnitude is out of range."""
     nb = (nnz + 7) >> 3
-    if scur + nb > signs.size or fcur + nb > flags.size:
+    if scur + nb > signs.size:
         return -1
-    if nnz & 7 and (signs[scur + nb - 1] >> (nnz & 7) or flags[fcur + nb - 1] >> (nnz & 7)):
+    if nnz & 7 and signs[scur + nb - 1] >> (nnz & 7):
         return -1  # padding bits
-    nbig = 0
-    for b in range(nb):
-        x = flags[fcur + b]
-        while x:
-            x &= x - np.uint8(1)
-            nbig += 1
-    if tcur + width * nbig > rest.size:
-        return -1
-    top = (np.int64(1) << (8 * width - 1)) - 2  # the largest rest
     full = (np.int64(1) << (8 * width)) - 1
     zc = np.empty(nnz, np.int64)  # change order
-    t = 0
     for i in range(nnz):
         s = np.int64(signs[scur + (i >> 3)] >> (i & 7)) & 1
-        if (flags[fcur + (i >> 3)] >> (i & 7)) & 1:
-            r = np.int64(0)
-            for b in range(width):
-                r |= np.int64(rest[tcur + b * nbig + t]) << (8 * b)
-            t += 1
-            zb = (((r + 2) << 1) - s) & full
-            if r > top or zb < 3:
-                return -1
-            zc[i] = zb
-        else:
-            zc[i] = 2 - s
+        v = 2 * mag[i] - s
+        if v > full:
+            return -1
+        zc[i] = v
     for h in range(nnz):
         z[h] = zc[idx[h]]
-    return nbig
+    return 0
 
 
 def _smoke(loops) -> None:
@@ -98,10 +81,9 @@ def _smoke(loops) -> None:
     present, ns, ks, starts, ok = counts_(counts, 0, 256, 2)
     z = np.zeros(2, np.uint16)
     # change order: z 2 (sign 0), z 1 (sign 1); in element order the second comes first
-    nbig = values(np.array([0b10], np.uint8), 0, np.zeros(1, np.uint8), 0, np.zeros(0, np.uint8), 0, 2, 2,
-                  np.array([1, 0], np.int64), z)
+    bad = values(np.array([0b10], np.uint8), 0, np.ones(2, np.int64), 2, 2, np.array([1, 0], np.int64), z)
     if (not ok or present.tolist() != [0x7F, 0x80] or ns.tolist() != [1, 1] or ks.tolist() != [1, 1]
-            or starts.tolist() != [0, 1, 2] or nbig != 0 or z.tolist() != [1, 2]):
+            or starts.tolist() != [0, 1, 2] or bad != 0 or z.tolist() != [1, 2]):
         raise RuntimeError("the compiled sparse-exp2 reader disagrees with FORMAT.md §5a")
 
 
@@ -112,18 +94,18 @@ def _kernels():
 
 def compiled() -> bool:
     """Whether the compiled reader is in use."""
-    return _kernels() is not None and exprank.compiled()
+    return _kernels() is not None and exprank.compiled() and rans.compiled()
 
 
 def read(streams: list[np.ndarray], cursors: list[int], old: np.ndarray, nnz: int, shift: int, mask: int,
          width: int) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
     """One ``sparse-exp2`` segment of ``nnz`` changes whose pieces begin at ``cursors`` in the
-    block's six decoded ``streams``, over the base range ``old`` (unsigned raw bits):
+    block's five decoded ``streams``, over the base range ``old`` (unsigned raw bits):
     ``(positions, z, cursors after it)``, positions relative and ascending, ``z`` the zigzag values
     in the same order. None when a check fails (the caller reads it again with numpy to say which)
     or when there is no compiled reader."""
     loops, kern = _kernels(), exprank.kernels()
-    if loops is None or kern is None:
+    if loops is None or kern is None or not rans.compiled():
         return None
     ng = mask + 1
     present, n, k, starts, ok = loops[0](streams[0], cursors[0], ng, nnz)
@@ -138,8 +120,7 @@ def read(streams: list[np.ndarray], cursors: list[int], old: np.ndarray, nnz: in
     if not ok:
         return None
     z = np.empty(nnz, dtype=old.dtype)
-    nbig = loops[1](streams[3], cursors[3], streams[4], cursors[4], streams[5], cursors[5], nnz, width, idx, z)
-    if nbig < 0:
+    mag, mend = rans.decode(streams[4], cursors[4], nnz, width)
+    if mend < 0 or loops[1](streams[3], cursors[3], mag, nnz, width, idx, z) < 0:
         return None
-    nb = (nnz + 7) // 8
-    return pos, z, [cursors[0] + 5 * ng, uend, rend, cursors[3] + nb, cursors[4] + nb, cursors[5] + width * nbig]
+    return pos, z, [cursors[0] + 5 * ng, uend, rend, cursors[3] + (nnz + 7) // 8, mend]
