@@ -274,9 +274,9 @@ MIN_CHANGES = 64
 """Ranges with fewer changes stay ``sparse-sub`` without trying ``sparse-exp2``: its side information
 (the counts and Rice parameters of the groups, five stream pieces) outweighs what it saves there,
 and the trial (grouping, coding, compressing both) costs more than encoding the range itself.
-On the real-weights run (bench/codec.py --real, measured while the magnitudes were still flags and
-byte planes) 16, 64 and 256 all give 7.64 bits per change over 24 steps (7.65 when every range
-tries), 1024 gives 8.29; the 64 ranges of 384 elements of
+On the real-weights run (bench/codec.py --real) 16, 64 and 256 give 7.520, 7.517 and 7.516 bits
+per change over 24 steps (6.777, 6.768 and 6.768 at steps 1-5); with the flags and byte planes
+the magnitudes were before, 1024 gave 8.29 where 64 gave 7.64. The 64 ranges of 384 elements of
 that model then encode in 100 µs each instead of 230."""
 
 MIN_SAVING = 0.0005
@@ -286,9 +286,9 @@ are themselves that small the trial is skipped. Decoding ``sparse-exp2`` reads e
 the range (about 1 ns each), ``sparse-sub`` only the changes: a near-idle range, such as an
 embedding table of which a step touches a few rows, saved a few hundred bytes for a pass over
 millions of elements. On the real-weights run (bench/codec.py --real) the word embedding (52% of
-that model's elements, about 0.01% of them changed per step) stays ``sparse-sub``, at the same
-7.63-7.64 bits per change over 24 steps; 0.001 would also cost 1.7% more bytes at 0.1% random
-changes, 0.00025 and 0.0005 nothing there."""
+that model's elements, about 0.01% of them changed per step) stays ``sparse-sub``: 0.00025,
+0.0005 and 0.001 all give 7.517 bits per change over 24 steps; 0.001 would cost 1.7% more bytes
+at 0.1% random changes (measured with the flags and byte planes), 0.00025 and 0.0005 nothing there."""
 
 
 class SparseExp2:

@@ -59,9 +59,8 @@ def _encode(mag, width):
             t += 1
         tl[i] = t
         nd += (t if t < top else top - 1) + t - 1
-    # forwards: each decision's frequency and cumulative frequency (its symbol's, of 4096)
-    freq = np.empty(nd, np.int32)
-    cum = np.empty(nd, np.int32)
+    # forwards: each decision's 12-bit probability of no and its answer, as (p << 1) | answer
+    code = np.empty(nd, np.uint16)
     unary = np.full(top + 1, HALF, np.int64)
     mant = np.full((top + 1) * 2, HALF, np.int64)
     q = 0
@@ -72,12 +71,10 @@ def _encode(mag, width):
         p0 = u1 >> 4
         p0 = 1 if p0 < 1 else (4095 if p0 > 4095 else p0)
         if t > 1:
-            freq[q] = 4096 - p0
-            cum[q] = p0
+            code[q] = (p0 << 1) | 1
             u1 -= u1 >> ADAPT
         else:
-            freq[q] = p0
-            cum[q] = 0
+            code[q] = p0 << 1
             u1 += (PROB_ONE - u1) >> ADAPT
             q += 1
             continue
@@ -88,12 +85,10 @@ def _encode(mag, width):
             p0 = p >> 4
             p0 = 1 if p0 < 1 else (4095 if p0 > 4095 else p0)
             if t > j:
-                freq[q] = 4096 - p0
-                cum[q] = p0
+                code[q] = (p0 << 1) | 1
                 unary[j] = p - (p >> ADAPT)
             else:
-                freq[q] = p0
-                cum[q] = 0
+                code[q] = p0 << 1
                 unary[j] = p + ((PROB_ONE - p) >> ADAPT)
                 q += 1
                 break
@@ -106,13 +101,11 @@ def _encode(mag, width):
             p0 = p >> 4
             p0 = 1 if p0 < 1 else (4095 if p0 > 4095 else p0)
             if b:
-                freq[q] = 4096 - p0
-                cum[q] = p0
+                code[q] = (p0 << 1) | 1
                 if k < 2:
                     mant[c] = p - (p >> ADAPT)
             else:
-                freq[q] = p0
-                cum[q] = 0
+                code[q] = p0 << 1
                 if k < 2:
                     mant[c] = p + ((PROB_ONE - p) >> ADAPT)
             q += 1
@@ -124,7 +117,10 @@ def _encode(mag, width):
     w = 0
     x = np.int64(L_STATE)
     for q in range(nd - 1, -1, -1):
-        f = np.int64(freq[q])
+        e = np.int64(code[q])
+        p0 = e >> 1
+        yes = e & 1
+        f = p0 + yes * (4096 - 2 * p0)  # the answer's frequency, at cumulative yes · p0
         if x >= (f << 20):
             words[w] = x & 0xFFFF
             w += 1
@@ -134,7 +130,7 @@ def _encode(mag, width):
         while r < 0:
             d -= 1
             r += f
-        x = (d << 12) + r + np.int64(cum[q])
+        x = (d << 12) + r + yes * p0
     out = np.empty(4 + 2 * w, np.uint8)
     for b in range(4):
         out[b] = (x >> (8 * b)) & 0xFF
