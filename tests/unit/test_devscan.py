@@ -91,6 +91,12 @@ def case(dt: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor], dict[str,
     if dt.is_floating_point:
         old["weights"] = (torch.randn(12000, generator=gen) * 0.02).to(dt)
         new["weights"] = ulp_steps(old["weights"], 0.02, gen)
+        # a table of which a step changes a few rows (an embedding's): sparse-rows, its second range
+        # (from element 4096) starting inside row 102, which changes
+        old["table"] = (torch.randn(200, 40, generator=gen) * 0.02).to(dt)
+        new["table"] = old["table"].clone()
+        for r in (5, 60, 102, 150):
+            new["table"][r] = ulp_steps(old["table"][r], 0.5, gen)
     return old, new
 
 
@@ -108,7 +114,7 @@ def test_torch_scan_writes_the_numpy_bytes(dt, device):
     want = encode_objects(new, old, "numpy")
     kinds = {b.encoding for b in want[2]}
     # a float dtype with exponent groups gets sparse-exp2 too (where it is smaller), on both scans
-    exp = {"sparse-exp2"} if dtype_name(dt) in EXP_FIELDS else set()
+    exp = {"sparse-exp2", "sparse-rows"} if dtype_name(dt) in EXP_FIELDS else set()
     assert kinds == {"planes", "sparse-sub", "dense-sub"} | exp
     got = encode_objects({n: t.to(device) for n, t in new.items()}, {n: t.to(device) for n, t in old.items()},
                          "torch")

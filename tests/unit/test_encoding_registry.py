@@ -36,7 +36,7 @@ class RawBits:
     def memory(self, block):
         return sum(s.raw for s in block.streams)
 
-    def on_device(self, old, pos, dtype):
+    def on_device(self, old, pos, dtype, *, start, row):
         return None
 
     def offer(self, r: RangeInput, best, stored, config):

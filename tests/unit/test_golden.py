@@ -116,7 +116,26 @@ def golden_versions_v6() -> list[dict[str, torch.Tensor]]:
     raw = [((a >> 31) << 15) | ((121 - (y & -y).bit_length()) << 7) | ((a >> 24) & 127)
            for a, y in zip(_bits(2048, seed=60), ys)]
     g = torch.tensor(raw, dtype=torch.int64).to(torch.int16).view(torch.bfloat16)
-    return [dict(v, g=g) for v in golden_versions_v4()]
+    return [dict(v, g=g, e=e) for v, e in zip(golden_versions_v4(), golden_table())]
+
+
+def golden_table() -> list[torch.Tensor]:
+    """``e``, a bf16 table of 120 rows of 40 whose steps change a few rows (as a batch changes an
+    embedding's): sparse-rows. Its first range (4096 elements) ends inside row 102, which both
+    steps change, so the second range starts inside a row."""
+    ys = [(b >> 12) | 1 << 20 for b in _bits(4800, seed=71)]  # exponents as g's: full-exp in the keyframe
+    raw = [((a >> 31) << 15) | ((121 - (y & -y).bit_length()) << 7) | ((a >> 24) & 127)
+           for a, y in zip(_bits(4800, seed=70), ys)]
+    e = torch.tensor(raw, dtype=torch.int64).to(torch.int16).view(torch.bfloat16).reshape(120, 40)
+    out = [e]
+    for rows in ((3, 50, 102, 110), (7, 102, 103, 110)):
+        e = e.clone()
+        bits = e.view(torch.int16).reshape(-1)
+        for r in rows:
+            for c in range(1, 40, 2):
+                bits[r * 40 + c] += 1 if (r + c) % 2 else -1
+        out.append(e)
+    return out
 
 
 def write_exp(root: Path) -> None:
@@ -172,11 +191,16 @@ def test_golden_exp_objects_decode(tmp_path):
     shutil.copytree(EXP, tmp_path / "s")
     ms = manifests(tmp_path / "s")
     key = ms[0]
-    by = {b["encoding"]: {key["tensors"][s[0]]["dtype"] for s in b["segments"]} for b in key["blocks"]}
-    assert key["encodings"] == ["full-exp", "planes"] and by["full-exp"] == {"bfloat16"}
-    assert "bfloat16" not in by["planes"]
-    for m in ms[1:]:  # every dtype with exponent groups has a sparse-exp2 block
-        assert "sparse-exp2" in m["encodings"]
+    by: dict[str, set] = {}
+    for b in key["blocks"]:
+        by.setdefault(b["encoding"], set()).update(key["tensors"][s[0]]["name"] for s in b["segments"])
+    assert key["encodings"] == ["full-exp", "planes"] and by["full-exp"] == {"e", "g"}
+    assert by["planes"] == {"bf", "e", "f", "h", "q"}  # bf's uniform exponents, e's last 704 elements
+    for m in ms[1:]:  # every dtype with exponent groups has a sparse-exp2 block; the table sparse-rows
+        assert "sparse-exp2" in m["encodings"] and "sparse-rows" in m["encodings"]
+        rows = [(s[1], s[2]) for b in m["blocks"] if b["encoding"] == "sparse-rows" for s in b["segments"]
+                if m["tensors"][s[0]]["name"] == "e"]
+        assert rows == [(0, 4096), (4096, 704)], rows  # both ranges, the second starting inside row 102
         exp = {m["tensors"][s[0]]["dtype"] for b in m["blocks"] if b["encoding"] == "sparse-exp2"
                for s in b["segments"]}
         assert exp == {"bfloat16", "float16", "float32", "float8_e4m3fn"}

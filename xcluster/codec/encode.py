@@ -263,13 +263,15 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
     dtype = dtype_name(new.dtype)
     if config.scans_with_torch(new):
         extra = () if r.full else _offers(SPARSE, dtype, config)
-        prepare = (lambda ob, pos: [e.on_device(ob, pos, dtype) for e in extra]) if extra else None
+        row = new.shape[-1] if new.dim() >= 2 else 0
+        prepare = (lambda ob, pos: [e.on_device(ob, pos, dtype, start=r.start, row=row) for e in extra]) \
+            if extra else None
         out = scan_torch.scan_range(new, None if r.full else old, r.start, r.end, config.dense_threshold, prepare)
         if out is None:
             return None
         found, pieces, nnz, pos, values, prep = out
         kind = {"planes": FILL, "dense": DENSE, "sparse": SPARSE}[found]
-        ri = RangeInput(dtype, w, count, nnz)
+        ri = RangeInput(dtype, w, count, nnz, start=r.start, row=row)
         if kind == FILL and _offers(FILL, dtype, config):
             ri.bits = join_planes(pieces, UINT[w])
         elif kind == SPARSE and extra:
@@ -295,7 +297,9 @@ def _encode_range(r: _Range, new: torch.Tensor, old: torch.Tensor | None, config
         return ScannedRange(r.name, r.start, r.end, DENSE, encoding, w,
                             _Seg(Segment(r.t_idx, r.start, count, count), pieces), nnz, None, None)
     pieces, z = sparse_sub.SparseSub.encode(pos, ov, nv)
-    encoding, pieces = _choose(SPARSE, RangeInput(dtype, w, count, nnz, old=onp, pos=pos, z=z), pieces, config)
+    ri = RangeInput(dtype, w, count, nnz, old=onp, pos=pos, z=z, start=r.start,
+                    row=new.shape[-1] if new.dim() >= 2 else 0)
+    encoding, pieces = _choose(SPARSE, ri, pieces, config)
     seg = _Seg(Segment(r.t_idx, r.start, count, nnz), pieces)
     return ScannedRange(r.name, r.start, r.end, SPARSE, encoding, w, seg, nnz, _absolute(pos, r.start, new.numel()),
                         None)

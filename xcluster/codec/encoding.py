@@ -134,7 +134,9 @@ class RangeInput:
     only the changes crossed); ``old``: the base's bits of the range (sparse; None likewise);
     ``pos``/``z``: the sparse range's changed positions (relative, ascending) and zigzag
     differences (None where only the core pieces were built); ``device``: what an encoding's
-    :meth:`Encoding.on_device` hook computed where the tensors live."""
+    :meth:`Encoding.on_device` hook computed where the tensors live; ``start``: the range's first
+    element in its tensor; ``row``: the tensor's row length (its last dimension) where it has two
+    or more dimensions, else 0."""
 
     dtype: str
     width: int
@@ -145,6 +147,8 @@ class RangeInput:
     pos: np.ndarray | None = None
     z: np.ndarray | None = None
     device: Any = None
+    start: int = 0
+    row: int = 0
 
 
 class Encoding(Protocol):
@@ -161,6 +165,8 @@ class Encoding(Protocol):
     reads_range: bool
     """Decoding a segment reads every element of its range of the base (not only the changes):
     the encoder sizes such blocks by the range's bytes, so they still decode in parallel."""
+    min_dims: int
+    """Segments of it name tensors of at least this many dimensions (0: any; ``sparse-rows``: 2)."""
     measures_lazily: bool
     """:meth:`offer` reads the core pieces only through ``stored()``: it is then given None for
     ``best`` when the core pieces are not made yet, and they are made only if it measures them."""
@@ -182,9 +188,10 @@ class Encoding(Protocol):
         pieces so far, ``stored()`` bytes once compressed), else None. Core encodings answer None:
         the scan writes them."""
 
-    def on_device(self, old: Any, pos: Any, dtype: str) -> Any:
+    def on_device(self, old: Any, pos: Any, dtype: str, *, start: int, row: int) -> Any:
         """Work done with torch where the tensors live before the changes cross to the host (the
-        result reaches :meth:`offer` as ``r.device``); None where it has none."""
+        result reaches :meth:`offer` as ``r.device``); None where it has none. ``old``/``pos``: the
+        range's base bits and changed positions there; ``start``, ``row``: as in :class:`RangeInput`."""
 
     def decode(self, streams: BlockStreams, d: DecodeInput) -> list[Op]:
         """The operations of one block, every position and length checked before any is applied."""
@@ -203,6 +210,7 @@ class Core:
     dtypes: tuple[str, ...] | None = None
     reads_range = False
     measures_lazily = False
+    min_dims = 0
 
     def stream_level(self, stream: int, level: int) -> int:
         return level
@@ -210,7 +218,7 @@ class Core:
     def offer(self, r, best, stored, config) -> None:
         return None
 
-    def on_device(self, old, pos, dtype) -> None:
+    def on_device(self, old, pos, dtype, *, start, row) -> None:
         return None
 
 
@@ -315,6 +323,9 @@ def check_block(b: BlockEntry, tensors: Sequence[TensorEntry], *, where: str) ->
         if enc.dtypes is not None and te.dtype not in enc.dtypes:
             raise FormatError(f"{where}: {enc.name} segment on {te.name} ({te.dtype}): only "
                               f"{', '.join(enc.dtypes)} tensors have that encoding")
+        if len(te.shape) < getattr(enc, "min_dims", 0):
+            raise FormatError(f"{where}: {enc.name} segment on {te.name} of shape {list(te.shape)}: that encoding "
+                              f"needs a tensor of {enc.min_dims} or more dimensions")
         if enc.kind == SPARSE:
             # sparse past half the elements is never smaller than dense (writers switch at
             # dense_threshold <= 1/2), and would cost a reader more memory than the tensor

@@ -437,7 +437,7 @@ class FullExp:
         # the streams, the decoded values (held until the block is applied) and a segment's tables
         return sum(s.raw for s in block.streams) + block.width * sum(s.count for s in block.segments) + 64 * 1024
 
-    def on_device(self, old, pos, dtype):
+    def on_device(self, old, pos, dtype, *, start, row):
         return None
 
     def offer(self, r: RangeInput, best, stored, config):

@@ -318,7 +318,7 @@ class SparseExp2:
         longest = max(s.count for s in block.segments)
         return sum(raw) + 8 * raw[1] + 3 * longest + nnz * (80 + 3 * block.width + 24 + 31 + 192)
 
-    def on_device(self, old, pos, dtype: str):
+    def on_device(self, old, pos, dtype: str, *, start: int, row: int):
         """The grouping and ranks of the changes, with torch ops where the tensors live."""
         from ..scan_torch import field_ranks  # torch: only on that path
         return field_ranks(old, pos, *EXP_FIELDS[dtype])
