@@ -241,7 +241,7 @@ def test_the_writer_leaves_it_where_rows_say_nothing():
     from xcluster.codec.encoding import RangeInput
 
     r = RangeInput("bfloat16", 2, old.size, int(pos.size), old=old, pos=pos, z=zigzag_diff(ov, nv), start=0, row=256)
-    with mock.patch.object(sr, "build", side_effect=AssertionError("tried")):
+    with mock.patch.object(sr, "_build", side_effect=AssertionError("tried")):
         assert sr.ENCODING.offer(r, None, lambda: 10**9, CodecConfig()) is None
         assert sr.ENCODING.offer(replace(r, row=0), None, lambda: 10**9, CodecConfig()) is None  # no rows
     few = RangeInput("bfloat16", 2, old.size, int(pos.size), old=old, pos=pos, z=r.z, start=0, row=256 * 64)

@@ -51,6 +51,15 @@ def row_spans(start: int, count: int, row: int, rows: np.ndarray) -> tuple[np.nd
     return np.maximum(rows * row - off, 0), np.minimum((rows + 1) * row - off, count)
 
 
+def layout(start: int, count: int, row: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(lo, hi, cum)``: the rows' element spans (:func:`row_spans`) and where each begins in the
+    gathered range (``cum[i]``; ``cum[-1]`` its length)."""
+    lo, hi = row_spans(start, count, row, rows)
+    cum = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(hi - lo, out=cum[1:])
+    return lo, hi, cum
+
+
 def n_rows(start: int, count: int, row: int) -> int:
     """How many rows the range ``[start, start + count)`` meets."""
     return (start % row + count + row - 1) // row
@@ -96,10 +105,12 @@ def build(old: np.ndarray, pos: np.ndarray, z: np.ndarray, dtype: str, start: in
     """The eight stream pieces of one segment: its range's base bits ``old``, the sorted relative
     changed positions and their zigzag diffs (in position order), the range's first element in its
     tensor and the tensor's row length."""
-    rows, which = _active(pos, start, row)
-    lo, hi = row_spans(start, old.size, row, rows)
-    cum = np.zeros(rows.size + 1, dtype=np.int64)
-    np.cumsum(hi - lo, out=cum[1:])
+    return _build(old, pos, z, dtype, start, row, *_active(pos, start, row))
+
+
+def _build(old, pos, z, dtype, start, row, rows, which) -> list[np.ndarray]:
+    """:func:`build` given the active rows and each change's row among them (:func:`_active`)."""
+    lo, hi, cum = layout(start, old.size, row, rows)
     inner = cum[which] + (pos.astype(np.int64) - lo[which])
     return pack(gather(old, start, row, rows, lo, hi), inner, z, dtype, rows, n_rows(start, old.size, row))
 
@@ -220,10 +231,10 @@ class SparseRows:
         elif r.old is None or r.pos is None:
             return None
         else:
-            rows, _ = _active(r.pos, r.start, r.row)
+            rows, which = _active(r.pos, r.start, r.row)
             if rows.size * r.row > MAX_ACTIVE * r.count:
                 return None
-            pieces = build(r.old, r.pos, r.z, r.dtype, r.start, r.row)
+            pieces = _build(r.old, r.pos, r.z, r.dtype, r.start, r.row, rows, which)
         return pieces if stored_bytes(self, pieces, config.zstd_level) < stored() else None
 
     def decode(self, streams: BlockStreams, d: DecodeInput) -> list[Op]:
@@ -257,9 +268,7 @@ def read_segment(inner: exp2.SegmentReader, rows_in: _RowReader, rng: np.ndarray
     """Relative positions (ascending) and wrapped differences of one segment's changes, checked:
     ``rng`` is the base of its range, ``start`` the range's first element in its tensor."""
     rows = rows_in.rows(n_rows(start, rng.size, row), nnz)
-    lo, hi = row_spans(start, rng.size, row, rows)
-    cum = np.zeros(rows.size + 1, dtype=np.int64)
-    np.cumsum(hi - lo, out=cum[1:])
+    lo, hi, cum = layout(start, rng.size, row, rows)
     pos, z = inner.segment(gather(rng, start, row, rows, lo, hi), nnz, dtype, udt)
     which = np.searchsorted(cum, pos, side="right") - 1
     if np.count_nonzero(which[1:] != which[:-1]) + 1 != rows.size:
